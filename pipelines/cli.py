@@ -1,0 +1,117 @@
+"""The `raypo` command line: one sub-command per job, each a thin call into pipelines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from pipelines.config import ConfigError, RaypoConfig, load_config
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML config file (presets in configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key, e.g. --set algo.clip_eps=0.1 (repeatable)",
+    )
+
+
+def _load(args: argparse.Namespace) -> RaypoConfig:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from pipelines.tiny import make_tiny
+
+    cfg = _load(args)
+    path, manifest = make_tiny(cfg.model.tiny, force=args.force)
+    print(f"held-out greedy accuracy: {manifest['heldout_accuracy']:.1%} ({manifest['heldout_problems']} problems)")
+    print(path)
+    return 0
+
+
+def resolve_model_path(cfg: RaypoConfig) -> Path:
+    """The configured model directory, or the embedded tiny model (built on first use)."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+        return path
+    from pipelines.tiny import make_tiny
+
+    return make_tiny(cfg.model.tiny)[0]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.config import task_options
+    from pipelines.evaluate import greedy_accuracy
+    from pipelines.tasks import make_task
+
+    cfg = _load(args)
+    path = Path(args.model) if args.model else resolve_model_path(cfg)
+    task_cfg = cfg.task.task
+    problems = make_task(task_cfg.name, **task_options(task_cfg)).sample(cfg.task.eval_problems, "heldout", cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    accuracy = greedy_accuracy(model, tokenizer, problems)
+    print(json.dumps({"model": str(path), "task": task_cfg.name, "problems": len(problems), "accuracy": accuracy}))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    # Until the actor system lands, the main job prepares the embedded model: build it,
+    # warm-start it with SFT and report its held-out accuracy.
+    cfg = _load(args)
+    path = resolve_model_path(cfg)
+    print(f"model ready: {path}")
+    return cmd_eval(argparse.Namespace(config=args.config, overrides=args.overrides, model=str(path)))
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    print(yaml.safe_dump(_load(args).model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raypo", description="RL post-training for language models on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="build and warm-start the embedded tiny model (cached)")
+    _add_config_args(p)
+    p.add_argument("--force", action="store_true", help="rebuild even when a cached model exists")
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("train", help="run the main job (the embedded tiny model by default)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="greedy accuracy on the task's held-out split")
+    _add_config_args(p)
+    p.add_argument("--model", help="model directory (default: the configured model)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("show-config", help="print the resolved config as YAML (validates it)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_show_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"raypo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

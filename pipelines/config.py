@@ -1,0 +1,308 @@
+"""One typed config tree for raypo: pydantic v2 models, frozen after load.
+
+Read from a YAML file with dotted overrides (`--set algo.clip_eps=0.1`). Unknown keys and bad
+values fail with a `ConfigError` naming the dotted key. The seeds' own `config.yaml` shape
+(`training.group_size`, `training.gamma`, `training.clip_range`, `resource.cpu_affinity:
+[0-15]`) loads as-is: those training keys are read into `algo`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be loaded; the message names the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# ----------------------------------------------------------------------------- tasks
+class ArithmeticTaskConfig(Strict):
+    name: Literal["arithmetic"] = "arithmetic"
+    min_operand: int = Field(0, ge=0, description="smallest operand")
+    max_operand: int = Field(99, ge=0, description="largest operand")
+    operators: str = Field("+-", description="operators to draw from, any of '+-*'")
+
+
+class ReverseTaskConfig(Strict):
+    name: Literal["reverse"] = "reverse"
+    min_length: int = Field(2, ge=1, description="shortest string to reverse")
+    max_length: int = Field(5, ge=1, description="longest string to reverse")
+    alphabet: str = Field("abcdefghij", description="characters the strings are made of")
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | ReverseTaskConfig, Field(discriminator="name")]
+
+
+def task_options(task: ArithmeticTaskConfig | ReverseTaskConfig) -> dict[str, Any]:
+    return task.model_dump(exclude={"name"})
+
+
+# ----------------------------------------------------------------------------- model
+class TinyModelConfig(Strict):
+    """Shape and warm start of the embedded tiny model (`raypo make-tiny`)."""
+
+    seed: int = Field(0, description="seed of the initial weights, SFT data and order")
+    hidden_size: int = Field(128, ge=32, description="model width; head size = hidden / heads")
+    intermediate_size: int = Field(384, ge=32, description="MLP width")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, description="attention heads (head size must be one vLLM's CPU backend supports, e.g. 32)")
+    max_positions: int = Field(128, ge=16, description="context length in characters")
+    sft_tasks: list[TaskConfig] = Field(
+        default_factory=lambda: [ArithmeticTaskConfig(), ReverseTaskConfig()],
+        description="tasks the warm start trains on; the first one is the one accuracy is reported for",
+    )
+    sft_problems: int = Field(8000, ge=1, description="distinct train problems per task")
+    sft_steps: int = Field(1500, ge=0, description="optimizer steps of the warm start")
+    sft_batch_size: int = Field(64, ge=1, description="sequences per SFT step")
+    sft_lr: float = Field(3e-3, gt=0, description="peak learning rate of the warm start (cosine decay)")
+    heldout_problems: int = Field(500, ge=1, description="held-out problems the reported accuracy is measured on")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(None, description="Hugging Face causal LM directory; empty = the embedded tiny model")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="the embedded model, used when path is empty")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype for learner and rollout")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+
+
+class TaskSection(Strict):
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig, description="the verifiable task RL trains on")
+    eval_problems: int = Field(500, ge=1, description="held-out problems for greedy accuracy before/after training")
+
+
+# ----------------------------------------------------------------------------- reward
+class RewardTerm(Strict):
+    fn: str = Field("exact_match", description="a built-in reward name or path/to/file.py:function")
+    weight: float = Field(1.0, description="weight of this term in the combined reward")
+
+
+class RewardConfig(Strict):
+    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm()], min_length=1, description="rewards to combine")
+    normalize: bool = Field(True, description="scale combined rewards to [-1, 1] (the seeds' advice)")
+
+
+# ----------------------------------------------------------------------------- algorithm
+class AlgoConfig(Strict):
+    name: Literal["grpo", "ppo", "gspo", "dpo"] = Field("grpo", description="the algorithm to run")
+    advantage: str = Field("grpo", description="advantage estimator: gae, grpo, dr_grpo, rloo, reinforce_baseline")
+    policy_loss: str = Field("ppo", description="policy loss: ppo (token ratio) or gspo (sequence ratio)")
+    aggregate: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="loss reduction")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (lower side)")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip range; empty = clip_eps")
+    clip_decay: float = Field(0.05, ge=0, lt=1, description="clip range decays by this share ...")
+    clip_decay_every: int = Field(1000, ge=1, description="... every this many steps")
+    gamma: float = Field(0.99, ge=0, le=1, description="discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda reached after the ramp")
+    lam_start: float = Field(0.9, ge=0, le=1, description="GAE lambda at step 0")
+    lam_ramp_steps: int = Field(1000, ge=0, description="steps over which lambda goes from lam_start to lam")
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
+    group_growth: float = Field(0.0, ge=0, description="group size grows by this share per round (seeds: 0.10)")
+    group_size_max: int | None = Field(None, ge=1, description="cap on the grown group size")
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
+    value_clip: float = Field(0.5, gt=0, description="value clip range")
+    entropy_coef: float = Field(0.01, ge=0, description="weight of the entropy bonus")
+    kl_coef: float = Field(0.001, ge=0, description="weight of the KL penalty to the reference model")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO temperature")
+    dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, name: str) -> str:
+        from pipelines.advantages import ADVANTAGES
+
+        if name not in ADVANTAGES:
+            raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES.names())}")
+        return name
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, name: str) -> str:
+        from pipelines.losses import POLICY_LOSSES
+
+        if name not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(POLICY_LOSSES.names())}")
+        return name
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+
+# ----------------------------------------------------------------------------- training, inference, resources
+class TrainingConfig(Strict):
+    batch_size: int = Field(128, ge=1, description="samples (prompts x group) per RL step")
+    steps: int = Field(100, ge=0, description="RL steps")
+    lr: float = Field(3e-5, gt=0, description="learning rate")
+    grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
+    minibatch_size: int = Field(64, ge=1, description="samples per optimizer step")
+    epochs: int = Field(1, ge=1, description="passes over each step's experience")
+    save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
+
+
+class InferenceConfig(Strict):
+    max_tokens: int = Field(2048, ge=1, description="longest completion")
+    temperature: float = Field(0.7, ge=0, description="sampling temperature")
+    top_p: float = Field(0.9, gt=0, le=1, description="nucleus sampling")
+
+
+class ResourceConfig(Strict):
+    gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="share of accelerator memory vLLM may take")
+    cpu_affinity: list[int] = Field(default_factory=list, description="CPU cores to pin to; accepts ranges such as [0-15]")
+    use_gpu: bool = Field(False, description="place learners/rollout on GPUs")
+    num_rollout_workers: int = Field(1, ge=1, description="rollout actors (vLLM engines)")
+    num_learners: int = Field(1, ge=1, description="learner actors in one torch.distributed world")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
+    cpus_per_learner: float = Field(1.0, gt=0, description="CPUs in each learner's placement bundle")
+    accelerator_type: str | None = Field(None, description="e.g. A100: pins learners to such nodes")
+
+    @field_validator("cpu_affinity", mode="before")
+    @classmethod
+    def _parse_ranges(cls, value: Any) -> list[int]:
+        return parse_cpu_list(value)
+
+
+def parse_cpu_list(value: Any) -> list[int]:
+    """`[0-3, 8]`, `"0-3,8"` or `[0, 1]` -> sorted unique core ids.
+
+    >>> parse_cpu_list(["0-3", 8]), parse_cpu_list("2,0-1")
+    ([0, 1, 2, 3, 8], [0, 1, 2])
+    """
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    cores: set[int] = set()
+    for item in items:
+        if isinstance(item, bool):
+            raise ValueError(f"CPU id must be an integer or a range 'a-b', got {item!r}")
+        if isinstance(item, int):
+            cores.add(item)
+            continue
+        text = str(item).strip()
+        lo, sep, hi = text.partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"CPU id must be an integer or a range 'a-b', got {item!r}")
+        cores.update(range(int(lo), int(hi if sep else lo) + 1))
+    return sorted(cores)
+
+
+class MonitorConfig(Strict):
+    grad_norm_alert: float = Field(1.5, gt=0, description="warn when the grad norm exceeds this")
+    kl_alert: float = Field(0.02, gt=0, description="warn when KL to the reference exceeds this")
+    reward_drop: float = Field(0.10, gt=0, description="warn when reward falls by more than this share ...")
+    reward_drop_steps: int = Field(5, ge=1, description="... on this many consecutive steps")
+    reward_window: int = Field(100, ge=1, description="steps in the reward trend window")
+
+
+# ----------------------------------------------------------------------------- root
+# Keys of the seeds' config.yaml that live under `training` there and under `algo` here.
+_SEED_TRAINING_KEYS = {"group_size": "group_size", "gamma": "gamma", "clip_range": "clip_eps"}
+
+
+class RaypoConfig(Strict):
+    name: str = Field("raypo", description="run name; outputs go to <output_dir>/<name>")
+    seed: int = Field(0, description="global seed")
+    output_dir: str = Field("runs", description="where runs are written")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskSection = Field(default_factory=TaskSection)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    resource: ResourceConfig = Field(default_factory=ResourceConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_seed_training_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("training"), dict):
+            return data
+        training = dict(data["training"])
+        algo = dict(data.get("algo") or {})
+        for seed_key, algo_key in _SEED_TRAINING_KEYS.items():
+            if seed_key not in training:
+                continue
+            value = training.pop(seed_key)
+            if algo_key in algo and algo[algo_key] != value:
+                raise ValueError(
+                    f"training.{seed_key}={value!r} conflicts with algo.{algo_key}={algo[algo_key]!r}; set one"
+                )
+            algo[algo_key] = value
+        return {**data, "training": training, "algo": algo}
+
+
+# ----------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RaypoConfig:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides (values in YAML)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {override!r} is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({err})") from None
+        _set_dotted(data, key.strip(), value)
+    return config_from_dict(data, source=str(path) if path else "overrides")
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> RaypoConfig:
+    try:
+        return RaypoConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config ({source}):\n" + _describe(err)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        # Drop pydantic's union-tag segments (e.g. 'arithmetic') so the key reads as in YAML.
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("arithmetic", "reverse")) or "(root)"
+        message = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"  {loc}: {message}")
+    return "\n".join(lines)

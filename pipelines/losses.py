@@ -1,0 +1,212 @@
+"""Losses as pure functions: tensors in, `(loss, metrics)` out.
+
+Shapes: B sequences, T response tokens, V vocabulary. `mask` is `[B, T]`, 1 on response
+tokens. Every reduction over tokens or sequences goes through `masked_aggregate`, so a loss
+computed on shards of a batch (one per learner) sums to the loss of the whole batch when
+each shard is given the batch-wide `normalizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipelines.registry import Registry
+
+AGGREGATE_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("k1", "k2", "k3")
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+
+
+def masked_aggregate(
+    values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None
+) -> Tensor:
+    """Reduce `values` `[B, T]` over the tokens where `mask` is 1 to a scalar.
+
+    - token-mean: sum over all valid tokens / number of valid tokens
+    - seq-mean-token-mean: mean over sequences of each sequence's token mean
+    - seq-mean-token-sum: mean over sequences of each sequence's token sum
+
+    `normalizer` is the divisor of the outer mean (valid tokens for token-mean, sequences with
+    at least one valid token otherwise). Left as None it is this batch's own count; a learner
+    that holds one shard passes the whole batch's count, so the shards' results add up to the
+    unsharded result whatever the split.
+    """
+    mask_f = mask.to(values.dtype)
+    values = torch.where(mask.bool(), values, torch.zeros_like(values))  # NaN outside mask is ignored
+    if mode == "token-mean":
+        total = (values * mask_f).sum()
+        count = mask_f.sum() if normalizer is None else normalizer
+    elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        tokens = mask_f.sum(dim=-1)  # [B, T] -> [B]
+        per_seq = (values * mask_f).sum(dim=-1)  # [B, T] -> [B]
+        if mode == "seq-mean-token-mean":
+            per_seq = per_seq / tokens.clamp(min=1)
+        total = per_seq.sum()
+        count = (tokens > 0).to(values.dtype).sum() if normalizer is None else normalizer
+    else:
+        raise ValueError(f"unknown aggregate mode {mode!r}; known: {AGGREGATE_MODES}")
+    count = torch.as_tensor(count, dtype=values.dtype, device=values.device)
+    return total / count.clamp(min=1)
+
+
+def logprobs_from_logits(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """Log-probability of each chosen token: logits `[B, T, V]`, ids `[B, T]` -> `[B, T]`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position: `[B, T, V]` -> `[B, T]`.
+
+    H = logsumexp(z) - sum softmax(z) * z, which stays finite for very negative logits.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)  # [B, T, V]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # -> [B, T]
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating
+    KL Divergence", 2020): k1 = logp - ref, k2 = (logp - ref)^2 / 2,
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased and non-negative). Shapes kept."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; known: {KL_KINDS}")
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    level: str = "token",
+    aggregate: str = "token-mean",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate objective.
+
+    level="token": PPO (Schulman et al. 2017, Eq. 7), per token
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) with r = exp(logp - behaviour),
+    reduced by `aggregate`. Asymmetric clip (clip_high > clip_low) is DAPO's clip-higher.
+    level="sequence": GSPO (Zheng et al. 2025, Eq. 5-7), s_i = exp(mean over the response of
+    logp - behaviour) and the loss is the mean over sequences of -min(s_i A_i, clip(s_i) A_i),
+    A_i the sequence's advantage (`[B]`, or `[B, T]` constant over the response).
+
+    logprobs, behaviour_logprobs, mask: `[B, T]`; advantages `[B, T]` (or `[B]` for sequence).
+    """
+    mask_f = mask.to(logprobs.dtype)
+    log_ratio = torch.where(mask.bool(), logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+    if level == "token":
+        unit_log_ratio, unit_adv, unit_mask, mode = log_ratio, advantages, mask, aggregate
+    elif level == "sequence":
+        tokens = mask_f.sum(dim=-1)  # [B, T] -> [B]
+        seq_log_ratio = (log_ratio * mask_f).sum(dim=-1) / tokens.clamp(min=1)  # [B]
+        seq_adv = advantages if advantages.dim() == 1 else masked_row_mean(advantages, mask)
+        # Each sequence is one unit: [B] -> [B, 1], reduced as a mean over sequences.
+        unit_log_ratio, unit_adv = seq_log_ratio[:, None], seq_adv[:, None]
+        unit_mask, mode = (tokens > 0)[:, None], "token-mean"
+    else:
+        raise ValueError(f"unknown policy loss level {level!r}; known: token, sequence")
+
+    ratio = torch.exp(unit_log_ratio)
+    unclipped = -ratio * unit_adv
+    clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * unit_adv
+    per_unit = torch.maximum(unclipped, clipped)
+    loss = masked_aggregate(per_unit, unit_mask, mode, normalizer)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": masked_aggregate((clipped > unclipped).to(ratio.dtype), unit_mask, "token-mean").item(),
+            # k3 estimate of KL(behaviour || current) over the tokens of the batch
+            "approx_kl": masked_aggregate(kl_penalty(behaviour_logprobs, logprobs, "k3"), mask, "token-mean").item(),
+            "ratio_mean": masked_aggregate(ratio, unit_mask, "token-mean").item(),
+        }
+    return loss, metrics
+
+
+def masked_row_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of each row over its valid tokens: `[B, T]` -> `[B]` (0 for an empty row)."""
+    mask_f = mask.to(values.dtype)
+    values = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return (values * mask_f).sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1)
+
+
+@register_policy_loss("ppo")
+def _ppo(logprobs, behaviour_logprobs, advantages, mask, **kwargs):
+    return ppo_policy_loss(logprobs, behaviour_logprobs, advantages, mask, level="token", **kwargs)
+
+
+@register_policy_loss("gspo")
+def _gspo(logprobs, behaviour_logprobs, advantages, mask, **kwargs):
+    return ppo_policy_loss(logprobs, behaviour_logprobs, advantages, mask, level="sequence", **kwargs)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float = 0.5,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss (PPO2 baselines / OpenAI "Implementation Matters", Eq. 4):
+    0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2), token-mean. All `[B, T]`."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    unclipped_err = (values - returns).square()
+    clipped_err = (clipped_values - returns).square()
+    loss = 0.5 * masked_aggregate(torch.maximum(unclipped_err, clipped_err), mask, "token-mean", normalizer)
+    with torch.no_grad():
+        metrics = {
+            "value_mse": masked_aggregate(unclipped_err, mask, "token-mean").item(),
+            "value_clip_fraction": masked_aggregate((clipped_err > unclipped_err).to(values.dtype), mask, "token-mean").item(),
+        }
+    return loss, metrics
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float = 0.1,
+    kind: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Direct Preference Optimization. Inputs are `[B]` summed sequence log-probs.
+
+    With d = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected):
+    - sigmoid (Rafailov et al. 2023, Eq. 7; conservative DPO with label smoothing):
+      mean(-(1 - ls) log sigmoid(beta d) - ls log sigmoid(-beta d))
+    - ipo (Azar et al. 2023, Eq. 17): mean((d - 1 / (2 beta))^2)
+    """
+    delta = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)  # [B]
+    if kind == "sigmoid":
+        per_pair = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
+    elif kind == "ipo":
+        per_pair = (delta - 1 / (2 * beta)).square()
+    else:
+        raise ValueError(f"unknown DPO loss kind {kind!r}; known: sigmoid, ipo")
+    loss = per_pair.mean()
+    with torch.no_grad():
+        chosen_reward = beta * (policy_chosen - ref_chosen)  # [B]
+        rejected_reward = beta * (policy_rejected - ref_rejected)  # [B]
+        metrics = {
+            "reward_accuracy": (chosen_reward > rejected_reward).float().mean().item(),
+            "reward_margin": (chosen_reward - rejected_reward).mean().item(),
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+        }
+    return loss, metrics

@@ -1,0 +1,78 @@
+"""Supervised fine-tuning on task problems: the tiny model's warm start.
+
+A plain torch loop (AdamW, warmup + cosine), loss on the answer tokens only. RL learners use
+DeepSpeed; this loop only has to turn a random model into one that is right some of the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pipelines.config import TinyModelConfig, task_options
+from pipelines.tasks import Problem, make_task
+
+IGNORE_INDEX = -100
+
+
+def sft_problems(cfg: TinyModelConfig) -> tuple[list[Problem], list[Problem]]:
+    """Train problems of every SFT task, and held-out problems of the first task."""
+    train: list[Problem] = []
+    for task_cfg in cfg.sft_tasks:
+        train += make_task(task_cfg.name, **task_options(task_cfg)).sample(cfg.sft_problems, "train", cfg.seed)
+    first = cfg.sft_tasks[0]
+    heldout = make_task(first.name, **task_options(first)).sample(cfg.heldout_problems, "heldout", cfg.seed)
+    return train, heldout
+
+
+def encode_examples(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids `[N, L]`, attention mask `[N, L]` and labels `[N, L]` for prompt + answer + eos,
+    right-padded; labels are IGNORE_INDEX on the prompt and the padding."""
+    prompts = tokenizer([p.prompt for p in problems])["input_ids"]  # starts with <bos>
+    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+    length = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+    ids = torch.full((len(problems), length), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    attention = torch.zeros_like(ids)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        seq = p + a + [tokenizer.eos_token_id]
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        labels[i, len(p) : len(seq)] = torch.tensor(a + [tokenizer.eos_token_id])
+    return ids, attention, labels
+
+
+def sft_train(model, tokenizer, problems: Sequence[Problem], cfg: TinyModelConfig, log: Callable[[str], None] = print) -> list[float]:
+    """Train `model` in place for `cfg.sft_steps` steps; returns the loss of every step."""
+    ids, attention, labels = encode_examples(tokenizer, problems)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, cfg.sft_steps // 20)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.sft_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))  # cosine from 1.0 down to 0.1
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    losses = []
+    for step in range(cfg.sft_steps):
+        idx = torch.randint(0, ids.shape[0], (cfg.sft_batch_size,), generator=generator)
+        batch_mask = attention[idx]
+        width = int(batch_mask.sum(dim=1).max())  # trim the batch to its longest row
+        out = model(input_ids=ids[idx, :width], attention_mask=batch_mask[:, :width], labels=labels[idx, :width])
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(out.loss.item())
+        if (step + 1) % max(1, cfg.sft_steps // 10) == 0 or step + 1 == cfg.sft_steps:
+            recent = losses[-50:]
+            log(f"  sft step {step + 1}/{cfg.sft_steps}  loss {sum(recent) / len(recent):.4f}")
+    model.eval()
+    return losses
