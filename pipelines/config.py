@@ -53,7 +53,7 @@ class TinyModelConfig(Strict):
     hidden_size: int = Field(128, ge=32, description="model width; head size = hidden / heads")
     intermediate_size: int = Field(384, ge=32, description="MLP width")
     num_layers: int = Field(4, ge=1, description="transformer blocks")
-    num_heads: int = Field(4, ge=1, description="attention heads (head size must be one vLLM's CPU backend supports, e.g. 32)")
+    num_heads: int = Field(4, ge=1, description="attention heads; head size must suit vLLM's CPU backend (32, 64, ...)")
     max_positions: int = Field(128, ge=16, description="context length in characters")
     sft_tasks: list[TaskConfig] = Field(
         default_factory=lambda: [ArithmeticTaskConfig(), ReverseTaskConfig()],
@@ -96,11 +96,13 @@ class RewardConfig(Strict):
 
 
 # ----------------------------------------------------------------------------- algorithm
+AggregateMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
 class AlgoConfig(Strict):
     name: Literal["grpo", "ppo", "gspo", "dpo"] = Field("grpo", description="the algorithm to run")
     advantage: str = Field("grpo", description="advantage estimator: gae, grpo, dr_grpo, rloo, reinforce_baseline")
     policy_loss: str = Field("ppo", description="policy loss: ppo (token ratio) or gspo (sequence ratio)")
-    aggregate: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="loss reduction")
+    aggregate: AggregateMode = Field("token-mean", description="loss reduction over tokens and sequences")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (lower side)")
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip range; empty = clip_eps")
     clip_decay: float = Field(0.05, ge=0, lt=1, description="clip range decays by this share ...")

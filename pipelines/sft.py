@@ -32,11 +32,11 @@ def encode_examples(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tenso
     right-padded; labels are IGNORE_INDEX on the prompt and the padding."""
     prompts = tokenizer([p.prompt for p in problems])["input_ids"]  # starts with <bos>
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
-    length = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+    length = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers, strict=True))
     ids = torch.full((len(problems), length), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     attention = torch.zeros_like(ids)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
         seq = p + a + [tokenizer.eos_token_id]
         ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
@@ -44,7 +44,9 @@ def encode_examples(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tenso
     return ids, attention, labels
 
 
-def sft_train(model, tokenizer, problems: Sequence[Problem], cfg: TinyModelConfig, log: Callable[[str], None] = print) -> list[float]:
+def sft_train(
+    model, tokenizer, problems: Sequence[Problem], cfg: TinyModelConfig, log: Callable[[str], None] = print
+) -> list[float]:
     """Train `model` in place for `cfg.sft_steps` steps; returns the loss of every step."""
     ids, attention, labels = encode_examples(tokenizer, problems)
     generator = torch.Generator().manual_seed(cfg.seed)

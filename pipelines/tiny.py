@@ -100,7 +100,7 @@ def make_tiny(
     import torch
 
     from pipelines.evaluate import greedy_accuracy
-    from pipelines.sft import sft_train, sft_problems
+    from pipelines.sft import sft_problems, sft_train
 
     started = time.monotonic()
     torch.manual_seed(cfg.seed)

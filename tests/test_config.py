@@ -1,0 +1,93 @@
+from pathlib import Path
+
+import pytest
+
+from pipelines.config import ConfigError, RaypoConfig, load_config, parse_cpu_list
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults_follow_the_seeds():
+    cfg = RaypoConfig()
+    assert (cfg.algo.gamma, cfg.algo.lam, cfg.algo.clip_eps) == (0.99, 0.95, 0.2)
+    assert (cfg.algo.value_coef, cfg.algo.entropy_coef, cfg.algo.kl_coef) == (0.5, 0.01, 0.001)
+    assert (cfg.training.grad_clip, cfg.training.lr) == (1.0, 3e-5)
+    assert (cfg.monitor.grad_norm_alert, cfg.monitor.kl_alert) == (1.5, 0.02)
+    assert cfg.reward.normalize is True
+
+
+def test_seed_example_loads_as_is():
+    cfg = load_config(CONFIGS / "seed_example.yaml")
+    assert cfg.training.batch_size == 128
+    assert (cfg.algo.group_size, cfg.algo.gamma, cfg.algo.clip_eps) == (8, 0.99, 0.2)
+    assert (cfg.inference.max_tokens, cfg.inference.temperature, cfg.inference.top_p) == (2048, 0.7, 0.9)
+    assert cfg.resource.gpu_memory_fraction == 0.8
+    assert cfg.resource.cpu_affinity == list(range(16))
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_loads(preset):
+    assert isinstance(load_config(CONFIGS / preset), RaypoConfig)
+
+
+def test_dotted_overrides_are_typed_by_yaml():
+    cfg = load_config(CONFIGS / "grpo_tiny.yaml", ["algo.clip_eps=0.1", "reward.normalize=false", "name=x y"])
+    assert cfg.algo.clip_eps == 0.1 and cfg.reward.normalize is False and cfg.name == "x y"
+    cfg = load_config(None, ["task.task.name=reverse", "task.task.max_length=4"])
+    assert cfg.task.task.name == "reverse" and cfg.task.task.max_length == 4
+
+
+def test_config_is_frozen():
+    cfg = RaypoConfig()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.algo.clip_eps = 0.3
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.clip_epsilon=0.1"], r"algo\.clip_epsilon: unknown key"),
+        (["algo.clip_eps=-1"], r"algo\.clip_eps: Input should be greater than 0"),
+        (["training.steps=many"], r"training\.steps: Input should be a valid integer"),
+        (["algo.advantage=ppo2"], r"algo\.advantage: unknown advantage estimator 'ppo2'"),
+        (["algo.policy_loss=trpo"], r"algo\.policy_loss: unknown policy loss 'trpo'"),
+        (["resource.cpu_affinity=[0-x]"], r"resource\.cpu_affinity: CPU id must be an integer or a range"),
+        (["task.task.name=sudoku"], r"task\.task: Input tag 'sudoku'"),
+        (["task.task.max_operand=-3"], r"task\.task\.max_operand: Input should be greater than or equal to 0"),
+        (["model.tiny.num_heads=3"], r"model\.tiny: hidden_size 128 is not divisible by num_heads 3"),
+        (["algo"], r"not of the form key\.sub=value"),
+        (["algo.group_size.low=1"], r"algo\.group_size is not a section"),
+    ],
+)
+def test_bad_values_and_unknown_keys_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / "grpo_tiny.yaml", overrides)
+
+
+def test_seed_keys_conflicting_with_algo_keys_are_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training: {gamma: 0.9}\nalgo: {gamma: 0.99}\n")
+    with pytest.raises(ConfigError, match="training.gamma=0.9 conflicts with algo.gamma=0.99"):
+        load_config(path)
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml' is not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listing)
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list(["0-3", 8]) == [0, 1, 2, 3, 8]
+    assert parse_cpu_list("5,1-2") == [1, 2, 5]
+    assert parse_cpu_list(None) == []
+    for bad in (["3-1"], ["a"], [True], "1-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)

@@ -1,0 +1,221 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.losses import (
+    POLICY_LOSSES,
+    dpo_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_aggregate,
+    ppo_policy_loss,
+    value_loss,
+)
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def test_masked_aggregate_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert masked_aggregate(values, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert masked_aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert masked_aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    with pytest.raises(ValueError, match="unknown aggregate mode 'mean'"):
+        masked_aggregate(values, mask, "mean")
+
+
+def test_masked_aggregate_of_an_empty_mask_is_zero_not_nan():
+    for mode in MODES:
+        assert masked_aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode).item() == 0.0
+
+
+def _normalizer(mask, mode):
+    return mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 7), min_size=2, max_size=9),
+    cut_points=st.lists(st.integers(1, 8), max_size=3),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 1000),
+)
+def test_masked_aggregate_does_not_depend_on_sharding(lengths, cut_points, mode, seed):
+    """Shards (one per learner) given the whole batch's normalizer add up to the unsharded result."""
+    T = 7
+    values = torch.randn(len(lengths), T, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mask = torch.tensor([[1] * n + [0] * (T - n) for n in lengths])
+    whole = masked_aggregate(values, mask, mode)
+    cuts = sorted({c for c in cut_points if c < len(lengths)})
+    bounds = [0, *cuts, len(lengths)]
+    norm = _normalizer(mask, mode)
+    summed = sum(
+        masked_aggregate(values[a:b], mask[a:b], mode, normalizer=norm) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    )
+    torch.testing.assert_close(summed, whole)
+
+
+def test_kl_estimators_hand_computed():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    d = logp - ref  # [0.5, -1.0]
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), d)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), 0.5 * d**2)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.exp(-d) + d - 1)
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        kl_penalty(logp, ref, "k4")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=1, max_size=8), st.lists(st.floats(-5, 5), min_size=1, max_size=8))
+def test_k2_k3_are_non_negative_and_zero_at_equality(a, b):
+    n = min(len(a), len(b))
+    logp, ref = torch.tensor(a[:n]), torch.tensor(b[:n])
+    for kind in ("k2", "k3"):
+        assert (kl_penalty(logp, ref, kind) >= -1e-6).all()
+        assert kl_penalty(logp, logp, kind).abs().max() < 1e-6
+
+
+def test_k_estimators_average_to_the_true_kl():
+    """Monte-Carlo check: sampled from p, E[k1] = E[k3] = KL(p || q) for categoricals."""
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.3, 0.3, 0.4])
+    true_kl = (p * (p / q).log()).sum()
+    samples = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    logp, logq = p.log()[samples], q.log()[samples]
+    for kind in ("k1", "k3"):
+        assert kl_penalty(logp, logq, kind).mean().item() == pytest.approx(true_kl.item(), abs=0.01)
+
+
+def test_ppo_token_loss_hand_computed():
+    logp = torch.tensor([[math.log(1.5), math.log(0.5), math.log(1.1)]])
+    behaviour = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, 1.0, -2.0]])
+    mask = torch.ones(1, 3)
+    loss, metrics = ppo_policy_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.2)
+    # token 0: ratio 1.5 clipped to 1.2 (A>0) -> -1.2; token 1: ratio 0.5 (A>0, min keeps 0.5) -> -0.5;
+    # token 2: ratio 1.1 within the clip -> +2.2
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 2.2) / 3, rel=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(1 / 3)
+    assert metrics["approx_kl"] > 0
+    # asymmetric clip: a high clip of 0.6 lets ratio 1.5 through
+    loss_high, _ = ppo_policy_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.6)
+    assert loss_high.item() == pytest.approx((-1.5 - 0.5 + 2.2) / 3, rel=1e-5)
+
+
+def test_ppo_gradient_matches_the_analytic_one():
+    torch.manual_seed(0)
+    logp = (torch.randn(3, 4) * 0.05).requires_grad_()
+    behaviour = torch.zeros(3, 4)
+    adv = torch.randn(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    loss, _ = ppo_policy_loss(logp, behaviour, adv, mask, clip_low=0.5, clip_high=0.5)  # nothing clipped
+    loss.backward()
+    # d/dlogp of -ratio * A / N = -ratio * A / N on valid tokens, 0 elsewhere
+    expected = -torch.exp(logp.detach()) * adv * mask / mask.sum()
+    torch.testing.assert_close(logp.grad, expected)
+
+
+def test_clipped_tokens_get_no_gradient():
+    logp = torch.tensor([[math.log(2.0)]], requires_grad=True)
+    loss, _ = ppo_policy_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    loss.backward()
+    assert logp.grad.item() == 0.0
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    logp = torch.tensor([[0.1, 0.3, 9.0], [0.0, 0.0, 0.0]])
+    behaviour = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, metrics = ppo_policy_loss(logp, behaviour, adv, mask, level="sequence")
+    s0 = math.exp((0.1 + 0.3) / 2)  # 1.2214, clipped to 1.2 for A > 0
+    expected = (-min(s0 * 1.0, 1.2 * 1.0) + 1.0) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    # [B, T] advantages constant over the response give the same loss
+    loss_bt, _ = ppo_policy_loss(logp, behaviour, adv[:, None] * mask, mask, level="sequence")
+    torch.testing.assert_close(loss_bt, loss)
+
+
+def test_gspo_and_ppo_registry_entries_share_one_signature():
+    logp, behaviour = torch.zeros(2, 3), torch.zeros(2, 3)
+    adv, mask = torch.ones(2, 3), torch.ones(2, 3)
+    for name in ("ppo", "gspo"):
+        loss, metrics = POLICY_LOSSES.get(name)(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.2)
+        assert loss.item() == pytest.approx(-1.0)
+        assert {"clip_fraction", "approx_kl"} <= metrics.keys()
+    with pytest.raises(ValueError, match="unknown policy loss level"):
+        ppo_policy_loss(logp, behaviour, adv, mask, level="group")
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[1.0, 0.0]])
+    old = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[0.0, 2.0]])
+    mask = torch.ones(1, 2)
+    loss, metrics = value_loss(values, old, returns, mask, clip=0.5)
+    # token 0: unclipped (1-0)^2=1, clipped (0.5-0)^2=0.25 -> 1; token 1: both (0-2)^2=4 -> 4
+    assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
+    assert metrics["value_mse"] == pytest.approx((1 + 4) / 2)
+
+
+def test_value_loss_clips_the_update_away_from_old_values():
+    values = torch.tensor([[3.0]], requires_grad=True)
+    loss, metrics = value_loss(values, torch.tensor([[0.0]]), torch.tensor([[5.0]]), torch.ones(1, 1), clip=0.5)
+    loss.backward()
+    # clipped value 0.5 is further from the return (error 4.5^2) than 3.0 is, so the max
+    # picks the clipped term, whose gradient with respect to v is 0
+    assert loss.item() == pytest.approx(0.5 * 4.5**2)
+    assert values.grad.item() == 0.0
+    assert metrics["value_clip_fraction"] == 1.0
+
+
+def test_dpo_sigmoid_and_ipo_hand_computed():
+    pc, pr = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-2.5, -2.0])
+    beta = 0.5
+    delta = (pc - pr) - (rc - rr)  # [2 - 1, -1 - 0] = [1, -1]
+    loss, metrics = dpo_loss(pc, pr, rc, rr, beta=beta)
+    torch.testing.assert_close(loss, -F.logsigmoid(beta * delta).mean())
+    assert metrics["reward_accuracy"] == 0.5
+    assert metrics["reward_margin"] == pytest.approx((beta * delta).mean().item())
+    smoothed, _ = dpo_loss(pc, pr, rc, rr, beta=beta, label_smoothing=0.1)
+    torch.testing.assert_close(
+        smoothed, (-0.9 * F.logsigmoid(beta * delta) - 0.1 * F.logsigmoid(-beta * delta)).mean()
+    )
+    ipo, _ = dpo_loss(pc, pr, rc, rr, beta=beta, kind="ipo")
+    torch.testing.assert_close(ipo, ((delta - 1 / (2 * beta)) ** 2).mean())
+    with pytest.raises(ValueError, match="unknown DPO loss kind"):
+        dpo_loss(pc, pr, rc, rr, kind="hinge2")
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    pc = torch.tensor([-2.0], requires_grad=True)
+    pr = torch.tensor([-2.0], requires_grad=True)
+    loss, _ = dpo_loss(pc, pr, torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1)
+    loss.backward()
+    # at delta = 0: d/dpc = -beta * sigmoid(0) = -0.05
+    assert pc.grad.item() == pytest.approx(-0.05)
+    assert pr.grad.item() == pytest.approx(0.05)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), scale=st.floats(0.1, 50))
+def test_entropy_matches_torch_distributions(seed, scale):
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(seed)) * scale
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(entropy_from_logits(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_from_logits_gather_the_chosen_tokens():
+    logits = torch.randn(2, 3, 5)
+    ids = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    torch.testing.assert_close(logprobs_from_logits(logits, ids), expected)
