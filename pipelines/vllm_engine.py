@@ -1,0 +1,73 @@
+"""Creating a vLLM engine the same way everywhere (rollout actors, checks, benchmarks).
+
+On CPU the engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with a small KV cache;
+on GPU it takes `gpu_memory_fraction` of the device. vLLM is imported only when an engine is
+made, so importing this module stays cheap.
+
+`python -m pipelines.vllm_engine MODEL_DIR PROMPT...` prints vLLM's greedy continuations as
+JSON: a separate process, as vLLM wants to be created under `__main__` or inside an actor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def make_llm(
+    model_dir: str,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    gpu_memory_fraction: float = 0.8,
+    kv_cache_gib: int = 1,
+):
+    """A `vllm.LLM` for `model_dir`, configured for this machine (CPU or GPU)."""
+    on_gpu = _on_gpu()
+    if not on_gpu:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    from vllm import LLM
+
+    kwargs = {"gpu_memory_utilization": gpu_memory_fraction} if on_gpu else {}
+    return LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=not on_gpu,
+        **kwargs,
+    )
+
+
+def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
+    """Greedy continuations of `prompts`, special tokens dropped."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [out.outputs[0].text for out in outputs]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m pipelines.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)", file=sys.stderr)
+        return 2
+    llm = make_llm(argv[0])
+    texts = greedy(llm, argv[1:], int(os.environ.get("RAYPO_MAX_TOKENS", "8")))
+    print("RAYPO_JSON " + json.dumps(texts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
