@@ -32,6 +32,7 @@ def make_llm(
     max_model_len: int | None = None,
     gpu_memory_fraction: float = 0.8,
     kv_cache_gib: int = 1,
+    **engine_kwargs,
 ):
     """A `vllm.LLM` for `model_dir`, configured for this machine (CPU or GPU)."""
     on_gpu = _on_gpu()
@@ -48,6 +49,7 @@ def make_llm(
         max_model_len=max_model_len,
         enforce_eager=not on_gpu,
         **kwargs,
+        **engine_kwargs,
     )
 
 

@@ -1,0 +1,98 @@
+"""Generator: the Ray-free core of a rollout actor, one vLLM engine.
+
+Samples `n` completions per prompt and returns them as a batch of numpy arrays, with the
+behaviour log-probs of the sampled tokens (after temperature, as the learner computes them).
+`update_weights` loads a new state dict into the running engine without re-creating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pipelines.vllm_engine import make_llm
+
+
+class Generator:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_fraction: float = 0.8,
+    ):
+        self.model_dir = str(model_dir)
+        self.llm = make_llm(
+            self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            gpu_memory_fraction=gpu_memory_fraction, logprobs_mode="processed_logprobs",
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.weights_version = 0
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        seed: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """`n` samples for each prompt, grouped contiguously (prompt i -> rows i*n .. i*n+n-1).
+
+        Returns numpy arrays: `prompt_ids` [N, P] (left-padded), `prompt_mask` [N, P],
+        `response_ids` [N, T] and `response_mask` [N, T] (right-padded),
+        `behaviour_logprobs` [N, T] float32, `prompt_index` [N]; and object arrays
+        `prompt_text`, `response_text`, `finished` (stopped by EOS rather than length).
+        """
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
+        )
+        outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
+        rows = [(i, out.prompt_token_ids, sample) for i, out in enumerate(outputs) for sample in out.outputs]
+        P = max(len(p) for _, p, _ in rows)
+        T = max(1, max(len(s.token_ids) for _, _, s in rows))
+        N = len(rows)
+        pad = self.tokenizer.pad_token_id or 0
+        batch = {
+            "prompt_ids": np.full((N, P), pad, dtype=np.int64),
+            "prompt_mask": np.zeros((N, P), dtype=np.int64),
+            "response_ids": np.full((N, T), pad, dtype=np.int64),
+            "response_mask": np.zeros((N, T), dtype=np.int64),
+            "behaviour_logprobs": np.zeros((N, T), dtype=np.float32),
+            "prompt_index": np.array([i for i, _, _ in rows], dtype=np.int64),
+        }
+        for r, (_, prompt_ids, sample) in enumerate(rows):
+            batch["prompt_ids"][r, P - len(prompt_ids):] = prompt_ids
+            batch["prompt_mask"][r, P - len(prompt_ids):] = 1
+            ids = list(sample.token_ids)
+            batch["response_ids"][r, : len(ids)] = ids
+            batch["response_mask"][r, : len(ids)] = 1
+            batch["behaviour_logprobs"][r, : len(ids)] = [lp[tok].logprob for lp, tok in zip(sample.logprobs, ids, strict=True)]
+        batch["prompt_text"] = np.array([prompts[i] for i, _, _ in rows], dtype=object)
+        batch["response_text"] = np.array([s.text for _, _, s in rows], dtype=object)
+        batch["finished"] = np.array([s.finish_reason == "stop" for _, _, s in rows])
+        return batch
+
+    def greedy(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
+        from pipelines.vllm_engine import greedy
+
+        return greedy(self.llm, prompts, max_tokens)
+
+    def update_weights(self, state: Mapping[str, np.ndarray], version: int | None = None) -> int:
+        """Load `state` (parameter name -> array, Hugging Face names) into the engine in place."""
+        import torch
+
+        tensors = [(name, torch.from_numpy(np.asarray(value))) for name, value in state.items()]
+
+        def reload(worker):
+            worker.model_runner.reload_weights(weights_iterator=iter(tensors))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.weights_version = self.weights_version + 1 if version is None else version
+        return self.weights_version

@@ -1,0 +1,229 @@
+"""Learner: the Ray-free core of a learner actor, a Hugging Face causal LM under DeepSpeed.
+
+One `Learner` is one rank of a torch.distributed world (gloo on CPU, nccl on GPU). Each rank
+receives the whole step's batch (zero-copy numpy from the object store), takes its own rows
+of every minibatch, and normalises its loss by the whole minibatch's token count, so the
+world's update equals one learner's update on the whole batch, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipelines.losses import POLICY_LOSSES, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_aggregate
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What a learner needs to know, independent of the config tree (so actors pickle it)."""
+
+    model_dir: str
+    lr: float = 3e-5
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    temperature: float = 1.0
+    seed: int = 0
+    use_gpu: bool = False
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss of one policy update, from `algo` config and the step's schedules."""
+
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregate: str = "token-mean"
+    kl_coef: float = 0.001
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.01
+
+
+def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """Model inputs for `rows` of a batch: prompt (left-padded) + response (right-padded).
+
+    input_ids, attention_mask, position_ids: `[n, P + T]`; response_ids, response_mask: `[n, T]`.
+    Positions count real tokens only, so a left-padded prompt starts at position 0 as in vLLM.
+    """
+    prompt_ids = torch.from_numpy(batch["prompt_ids"][rows])
+    prompt_mask = torch.from_numpy(batch["prompt_mask"][rows])
+    response_ids = torch.from_numpy(batch["response_ids"][rows])
+    response_mask = torch.from_numpy(batch["response_mask"][rows])
+    attention = torch.cat([prompt_mask, response_mask], dim=1)  # [n, P + T]
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "attention_mask": attention,
+        "position_ids": positions,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
+
+
+def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """Logits that predict each response token: `[n, P + T, V]` -> `[n, T, V]`, divided by the
+    sampling temperature so log-probs match the behaviour policy's."""
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    T = inputs["response_ids"].shape[1]
+    P = inputs["input_ids"].shape[1] - T
+    return out.logits[:, P - 1 : P - 1 + T].float() / temperature  # position P-1 predicts response token 0
+
+
+class Learner:
+    def __init__(
+        self, spec: LearnerSpec, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 29500
+    ):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0" if not spec.use_gpu else os.environ.get("LOCAL_RANK", "0"),
+        )
+        torch.manual_seed(spec.seed)
+        deepspeed.init_distributed(dist_backend="nccl" if spec.use_gpu else "gloo", auto_mpi_discovery=False)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.tokenizer_dir = spec.model_dir
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # raypo shapes batches itself; one backward per optimizer step
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": spec.grad_clip,
+            "zero_optimization": {"stage": spec.zero_stage},
+            "zero_allow_untested_optimizer": True,  # a plain torch AdamW avoids DeepSpeed's JIT-built Adam ops
+            "bf16": {"enabled": spec.bf16},
+            "steps_per_print": 1 << 30,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.steps_done = 0
+
+    @property
+    def model(self):
+        return self.engine.module
+
+    def _my_rows(self, rows: np.ndarray) -> np.ndarray:
+        return rows[self.rank :: self.world_size]
+
+    @torch.no_grad()
+    def logprobs(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Log-probs `[N, T]` of the batch's response tokens under the current weights (all rows)."""
+        self.engine.eval()
+        inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
+        logits = response_logits(self.engine, inputs, self.spec.temperature)
+        logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]
+        return logp.numpy().astype(np.float32)
+
+    def train_step(
+        self, batch: Mapping[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int = 1
+    ) -> dict[str, float]:
+        """Policy update on a step's experience: `epochs` passes of minibatches, one optimizer step each.
+
+        Needs `advantages` and `behaviour_logprobs` `[N, T]`; `ref_logprobs` when kl_coef > 0.
+        Returns metrics averaged over the minibatches (and identical on every rank).
+        """
+        self.engine.train()
+        n = len(batch["response_ids"])
+        order = np.random.default_rng(self.spec.seed + self.steps_done).permutation(n)
+        totals: dict[str, float] = {}
+        count = 0
+        for _ in range(epochs):
+            for start in range(0, n, minibatch_size):
+                rows = order[start : start + minibatch_size]
+                metrics = self._minibatch_step(batch, rows, loss)
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                count += 1
+        self.steps_done += 1
+        return {key: value / count for key, value in totals.items()}
+
+    def _minibatch_step(self, batch: Mapping[str, np.ndarray], rows: np.ndarray, spec: LossSpec) -> dict[str, float]:
+        whole_mask = torch.from_numpy(batch["response_mask"][rows])
+        if spec.aggregate == "token-mean":
+            whole_count = float(whole_mask.sum())
+        else:
+            whole_count = float((whole_mask.sum(dim=1) > 0).sum())
+        # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
+        normalizer = whole_count / self.world_size
+        mine = self._my_rows(rows)
+        inputs = sequence_tensors(batch, mine)
+        mask = inputs["response_mask"]
+        logits = response_logits(self.engine, inputs, self.spec.temperature)  # [n, T, V]
+        logp = logprobs_from_logits(logits, inputs["response_ids"])  # [n, T]
+        behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
+        advantages = torch.from_numpy(batch["advantages"][mine]).float()
+        pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
+            logp, behaviour, advantages, mask, clip_low=spec.clip_low, clip_high=spec.clip_high,
+            aggregate=spec.aggregate, normalizer=normalizer,
+        )
+        total = pg_loss
+        entropy = masked_aggregate(entropy_from_logits(logits), mask, spec.aggregate, normalizer)
+        total = total - spec.entropy_coef * entropy
+        kl = torch.zeros(())
+        if "ref_logprobs" in batch:
+            ref = torch.from_numpy(batch["ref_logprobs"][mine])
+            kl = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
+            if spec.kl_coef > 0:
+                total = total + spec.kl_coef * kl
+        self.engine.backward(total)
+        # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
+        # averaged over ranks here, so the norm read off them is the global one.
+        grad_norm = None if self.spec.zero_stage else torch.nn.utils.get_total_norm(
+            [p.grad for p in self.model.parameters() if p.grad is not None]
+        ).item()
+        self.engine.step()
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
+        local = {
+            "loss": total.item(), "pg_loss": pg_loss.item(), "entropy": entropy.item(), "kl": kl.item(),
+            "clip_fraction": metrics["clip_fraction"], "approx_kl": metrics["approx_kl"],
+        }
+        summed = self._sum_over_ranks(local)
+        # loss-like terms were scaled by world size per rank; per-rank ratios are averaged
+        out = {k: summed[k] / self.world_size for k in ("loss", "pg_loss", "entropy", "kl")}
+        out.update({k: summed[k] / self.world_size for k in ("clip_fraction", "approx_kl")})
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return out
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full weights as numpy (gathered from all ranks under ZeRO-3), Hugging Face names."""
+        if self.spec.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.model.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """Hugging Face format (safetensors + tokenizer), written by rank 0."""
+        from transformers import AutoTokenizer
+
+        state = self.state_dict()
+        if self.rank != 0:
+            return
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+        self.model.save_pretrained(out_dir, state_dict=tensors, safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(out_dir)
