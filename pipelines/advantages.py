@@ -42,9 +42,7 @@ class AdvantageParams:
     eps: float = 1e-6
 
 
-def compute_gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
+def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, Eq. 16).
 
     rewards, values, mask: `[B, T]`, `mask` right-padded (1 on response tokens). Rewards and

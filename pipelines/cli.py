@@ -14,7 +14,11 @@ from pipelines.config import ConfigError, RaypoConfig, load_config
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML config file (presets in configs/)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one config key, e.g. --set algo.clip_eps=0.1 (repeatable)",
     )
 
@@ -64,12 +68,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    # Until the actor system lands, the main job prepares the embedded model: build it,
-    # warm-start it with SFT and report its held-out accuracy.
+    from pipelines.trainer import train
+
     cfg = _load(args)
-    path = resolve_model_path(cfg)
-    print(f"model ready: {path}")
-    return cmd_eval(argparse.Namespace(config=args.config, overrides=args.overrides, model=str(path)))
+    summary = train(cfg, address=args.address)
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -88,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even when a cached model exists")
     p.set_defaults(func=cmd_make_tiny)
 
-    p = sub.add_parser("train", help="run the main job (the embedded tiny model by default)")
+    p = sub.add_parser("train", help="RL training (GRPO on the embedded tiny model by default)")
     _add_config_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="greedy accuracy on the task's held-out split")

@@ -92,11 +92,20 @@ class RewardTerm(Strict):
 
 class RewardConfig(Strict):
     terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm()], min_length=1, description="rewards to combine")
-    normalize: bool = Field(True, description="scale combined rewards to [-1, 1] (the seeds' advice)")
+    normalize: bool = Field(True, description="scale combined rewards from value_range to [-1, 1] (the seeds' advice)")
+    value_range: tuple[float, float] = Field((0.0, 1.0), description="range of the combined reward before normalising")
+
+    @field_validator("value_range")
+    @classmethod
+    def _ordered(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not value[0] < value[1]:
+            raise ValueError(f"value_range must be [low, high] with low < high, got {list(value)}")
+        return value
 
 
 # ----------------------------------------------------------------------------- algorithm
 AggregateMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
 
 class AlgoConfig(Strict):
     name: Literal["grpo", "ppo", "gspo", "dpo"] = Field("grpo", description="the algorithm to run")
@@ -241,9 +250,7 @@ class RaypoConfig(Strict):
                 continue
             value = training.pop(seed_key)
             if algo_key in algo and algo[algo_key] != value:
-                raise ValueError(
-                    f"training.{seed_key}={value!r} conflicts with algo.{algo_key}={algo[algo_key]!r}; set one"
-                )
+                raise ValueError(f"training.{seed_key}={value!r} conflicts with algo.{algo_key}={algo[algo_key]!r}; set one")
             algo[algo_key] = value
         return {**data, "training": training, "algo": algo}
 

@@ -24,9 +24,7 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register
 
 
-def masked_aggregate(
-    values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None
-) -> Tensor:
+def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:
     """Reduce `values` `[B, T]` over the tokens where `mask` is 1 to a scalar.
 
     - token-mean: sum over all valid tokens / number of valid tokens

@@ -47,9 +47,7 @@ class Task:
         while len(seen) < n:
             attempts += 1
             if attempts > 200 * n + 10_000:
-                raise ValueError(
-                    f"task {self.name!r} has fewer than {n} distinct {split} problems; widen its ranges"
-                )
+                raise ValueError(f"task {self.name!r} has fewer than {n} distinct {split} problems; widen its ranges")
             problem = self.sample_one(rng)
             if _split_of(problem.prompt) == split:
                 seen.setdefault(problem.prompt, problem)

@@ -83,9 +83,7 @@ def build_model(cfg: TinyModelConfig, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def make_tiny(
-    cfg: TinyModelConfig, force: bool = False, log: Callable[[str], None] = print
-) -> tuple[Path, dict]:
+def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Build, warm-start and save the tiny model (or reuse the cached one).
 
     Returns its directory and its manifest (held-out accuracy before and after the SFT).

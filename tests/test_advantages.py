@@ -80,9 +80,7 @@ def test_rloo_is_leave_one_out_and_group_advantages_sum_to_zero(groups, size, se
     r = torch.randn(groups * size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     rloo = group_advantages(r, size, "rloo").reshape(groups, size)
     grouped = r.reshape(groups, size)
-    explicit = torch.stack(
-        [grouped[:, i] - torch.cat([grouped[:, :i], grouped[:, i + 1 :]], 1).mean(1) for i in range(size)], 1
-    )
+    explicit = torch.stack([grouped[:, i] - torch.cat([grouped[:, :i], grouped[:, i + 1 :]], 1).mean(1) for i in range(size)], 1)
     torch.testing.assert_close(rloo, explicit)
     for method in ("grpo", "dr_grpo", "rloo"):
         sums = group_advantages(r, size, method).reshape(groups, size).sum(1)

@@ -187,9 +187,7 @@ def test_dpo_sigmoid_and_ipo_hand_computed():
     assert metrics["reward_accuracy"] == 0.5
     assert metrics["reward_margin"] == pytest.approx((beta * delta).mean().item())
     smoothed, _ = dpo_loss(pc, pr, rc, rr, beta=beta, label_smoothing=0.1)
-    torch.testing.assert_close(
-        smoothed, (-0.9 * F.logsigmoid(beta * delta) - 0.1 * F.logsigmoid(-beta * delta)).mean()
-    )
+    torch.testing.assert_close(smoothed, (-0.9 * F.logsigmoid(beta * delta) - 0.1 * F.logsigmoid(-beta * delta)).mean())
     ipo, _ = dpo_loss(pc, pr, rc, rr, beta=beta, kind="ipo")
     torch.testing.assert_close(ipo, ((delta - 1 / (2 * beta)) ** 2).mean())
     with pytest.raises(ValueError, match="unknown DPO loss kind"):

@@ -63,9 +63,7 @@ def test_user_reward_errors_name_the_problem(tmp_path):
         load_reward(f"{tmp_path}/nope.py:f")
     path = tmp_path / "r.py"
     path.write_text(
-        "x = 1\n"
-        "def two_args(a):\n    return []\n"
-        "def boom(prompts, completions, **k):\n    raise KeyError('answer')\n"
+        "x = 1\ndef two_args(a):\n    return []\ndef boom(prompts, completions, **k):\n    raise KeyError('answer')\n"
     )
     with pytest.raises(AttributeError, match="has no function 'missing'"):
         load_reward(f"{path}:missing")

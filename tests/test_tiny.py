@@ -86,7 +86,11 @@ def test_transformers_and_vllm_agree_on_greedy_output(tiny_model):
     env = {**os.environ, "RAYPO_MAX_TOKENS": "8"}
     out = subprocess.run(
         [sys.executable, "-m", "pipelines.vllm_engine", str(path), *prompts],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RAYPO_JSON "))

@@ -25,8 +25,12 @@ class Generator:
     ):
         self.model_dir = str(model_dir)
         self.llm = make_llm(
-            self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            gpu_memory_fraction=gpu_memory_fraction, logprobs_mode="processed_logprobs",
+            self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_fraction=gpu_memory_fraction,
+            logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.weights_version = 0
@@ -50,7 +54,12 @@ class Generator:
         from vllm import SamplingParams
 
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            seed=seed,
         )
         outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
         rows = [(i, out.prompt_token_ids, sample) for i, out in enumerate(outputs) for sample in out.outputs]
@@ -67,8 +76,8 @@ class Generator:
             "prompt_index": np.array([i for i, _, _ in rows], dtype=np.int64),
         }
         for r, (_, prompt_ids, sample) in enumerate(rows):
-            batch["prompt_ids"][r, P - len(prompt_ids):] = prompt_ids
-            batch["prompt_mask"][r, P - len(prompt_ids):] = 1
+            batch["prompt_ids"][r, P - len(prompt_ids) :] = prompt_ids
+            batch["prompt_mask"][r, P - len(prompt_ids) :] = 1
             ids = list(sample.token_ids)
             batch["response_ids"][r, : len(ids)] = ids
             batch["response_mask"][r, : len(ids)] = 1

@@ -86,7 +86,10 @@ class Learner:
 
         self.spec, self.rank, self.world_size = spec, rank, world_size
         os.environ.update(
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
             LOCAL_RANK="0" if not spec.use_gpu else os.environ.get("LOCAL_RANK", "0"),
         )
         torch.manual_seed(spec.seed)
@@ -163,8 +166,14 @@ class Learner:
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
         pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
-            logp, behaviour, advantages, mask, clip_low=spec.clip_low, clip_high=spec.clip_high,
-            aggregate=spec.aggregate, normalizer=normalizer,
+            logp,
+            behaviour,
+            advantages,
+            mask,
+            clip_low=spec.clip_low,
+            clip_high=spec.clip_high,
+            aggregate=spec.aggregate,
+            normalizer=normalizer,
         )
         total = pg_loss
         entropy = masked_aggregate(entropy_from_logits(logits), mask, spec.aggregate, normalizer)
@@ -178,15 +187,21 @@ class Learner:
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
         # averaged over ranks here, so the norm read off them is the global one.
-        grad_norm = None if self.spec.zero_stage else torch.nn.utils.get_total_norm(
-            [p.grad for p in self.model.parameters() if p.grad is not None]
-        ).item()
+        grad_norm = (
+            None
+            if self.spec.zero_stage
+            else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]).item()
+        )
         self.engine.step()
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
         local = {
-            "loss": total.item(), "pg_loss": pg_loss.item(), "entropy": entropy.item(), "kl": kl.item(),
-            "clip_fraction": metrics["clip_fraction"], "approx_kl": metrics["approx_kl"],
+            "loss": total.item(),
+            "pg_loss": pg_loss.item(),
+            "entropy": entropy.item(),
+            "kl": kl.item(),
+            "clip_fraction": metrics["clip_fraction"],
+            "approx_kl": metrics["approx_kl"],
         }
         summed = self._sum_over_ranks(local)
         # loss-like terms were scaled by world size per rank; per-rank ratios are averaged

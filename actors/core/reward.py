@@ -1,0 +1,101 @@
+"""RewardScorer: the Ray-free core of the reward actor.
+
+Combines weighted reward terms into one score per completion. A term is a rule (a built-in
+name or `path/to/file.py:function`), a remote HTTP endpoint (`http://...`: timeouts, retries
+with backoff, a clear error after the last try), or a Hugging Face sequence-classification
+model (`model:/path/to/dir`). Terms that return None for a sample are left out of its sum.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelines.rewards import RewardFn, load_reward, score
+
+
+class RewardError(RuntimeError):
+    """A reward term could not score a batch; the message names the term."""
+
+
+@dataclass(frozen=True)
+class HttpReward:
+    """POSTs `{"prompts": [...], "completions": [...], **fields}`; expects `{"rewards": [...]}`."""
+
+    url: str
+    timeout_s: float = 10.0
+    retries: int = 3
+    backoff_s: float = 0.5
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float | None]:
+        body = json.dumps({"prompts": list(prompts), "completions": list(completions), **_jsonable(fields)}).encode()
+        last_error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())["rewards"]
+            except (urllib.error.URLError, TimeoutError, ConnectionError, KeyError, json.JSONDecodeError) as err:
+                last_error = err
+        raise RewardError(
+            f"reward URL {self.url} failed after {self.retries + 1} tries: {type(last_error).__name__}: {last_error}"
+        )
+
+
+def _jsonable(fields: dict) -> dict:
+    return {k: [None if x is None else str(x) for x in v] for k, v in fields.items()}
+
+
+class ModelReward:
+    """Scores `prompt + completion` with a sequence-classification model (first logit)."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch = torch
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "right"
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> list[float | None]:
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        with self.torch.no_grad():
+            logits = self.model(**enc).logits  # [N, labels]
+        return logits[:, 0].float().tolist()
+
+
+def make_term(spec: str) -> RewardFn:
+    if spec.startswith(("http://", "https://")):
+        return HttpReward(spec)
+    if spec.startswith("model:"):
+        return ModelReward(spec.removeprefix("model:"))
+    return load_reward(spec)
+
+
+class RewardScorer:
+    def __init__(self, terms: Sequence[tuple[str, float]], normalize: bool = True, value_range: tuple[float, float] = (0.0, 1.0)):
+        self.terms = [(spec, weight, make_term(spec)) for spec, weight in terms]
+        self.normalize = normalize
+        self.value_range = value_range
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> np.ndarray:
+        """One float32 reward per completion: the weighted sum of the terms that scored it,
+        scaled from `value_range` to [-1, 1] when `normalize` is on."""
+        total = np.zeros(len(completions), dtype=np.float64)
+        for spec, weight, fn in self.terms:
+            values = score(fn, prompts, completions, name=spec, **fields)
+            total += weight * np.array([0.0 if v is None else v for v in values])
+        if self.normalize:
+            lo, hi = self.value_range
+            total = np.clip(2.0 * (total - lo) / (hi - lo) - 1.0, -1.0, 1.0)
+        return total.astype(np.float32)

@@ -1,0 +1,31 @@
+"""Scorer: log-probs of responses under a frozen causal LM (the reference model), no optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from actors.core.learner import response_logits, sequence_tensors
+from pipelines.losses import logprobs_from_logits
+
+
+class Scorer:
+    def __init__(self, model_dir: str, temperature: float = 1.0, batch_rows: int = 256):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.temperature = temperature
+        self.batch_rows = batch_rows
+
+    @torch.no_grad()
+    def logprobs(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        """`[N, T]` log-probs of the response tokens, 0 on padding."""
+        n = len(batch["response_ids"])
+        out = []
+        for start in range(0, n, self.batch_rows):
+            inputs = sequence_tensors(batch, np.arange(start, min(n, start + self.batch_rows)))
+            logits = response_logits(self.model, inputs, self.temperature)
+            out.append(logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"])
+        return torch.cat(out).numpy().astype(np.float32)

@@ -1,0 +1,88 @@
+"""LearnerActor group: N actors forming one torch.distributed world running DeepSpeed,
+placed on a Ray placement group whose bundles come from config."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.common import limit_threads
+from actors.core.learner import LearnerSpec, LossSpec
+
+
+@ray.remote(max_restarts=0)
+class LearnerActor:
+    def __init__(self, threads: int = 1):
+        limit_threads(threads)
+        self.learner = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for rank 0 to host the process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        from actors.core.learner import Learner
+
+        self.learner = Learner(spec, rank, world_size, master_addr, master_port)
+
+    def train_step(
+        self, batch: dict[str, np.ndarray], extra: dict[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int
+    ) -> dict[str, float]:
+        """One policy update; `extra` holds the step's advantages and reference log-probs."""
+        return self.learner.train_step({**batch, **extra}, loss, minibatch_size, epochs)
+
+    def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        return self.learner.logprobs(batch)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.learner.state_dict()
+
+    def save_pretrained(self, out_dir: str) -> None:
+        self.learner.save_pretrained(out_dir)
+
+
+class LearnerGroup:
+    """Creates the placement group and the learners, and wires them into one world."""
+
+    def __init__(self, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, accelerator_type: str | None = None):
+        bundle = {"CPU": cpus_per_learner}
+        if spec.use_gpu:
+            bundle["GPU"] = 1
+        if accelerator_type:
+            bundle[f"accelerator_type:{accelerator_type}"] = 0.001
+        self.pg = placement_group([dict(bundle) for _ in range(num_learners)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=300)
+        self.actors = [
+            LearnerActor.options(
+                num_cpus=cpus_per_learner,
+                num_gpus=1 if spec.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(threads=max(1, int(cpus_per_learner)))
+            for i in range(num_learners)
+        ]
+        addr, port = ray.get(self.actors[0].address.remote())
+        ray.get([a.init.remote(spec, rank, num_learners, addr, port) for rank, a in enumerate(self.actors)])
+
+    def train_step(self, batch_ref, extra_ref, loss: LossSpec, minibatch_size: int, epochs: int) -> dict[str, float]:
+        metrics = ray.get([a.train_step.remote(batch_ref, extra_ref, loss, minibatch_size, epochs) for a in self.actors])
+        return metrics[0]  # identical on every rank
+
+    def state_dict_ref(self):
+        """A ref to the full weights; every rank takes part (ZeRO-3 gathers), rank 0's is used."""
+        refs = [a.state_dict.remote() for a in self.actors]
+        return refs[0]
+
+    def save_pretrained(self, out_dir: str) -> None:
+        ray.get([a.save_pretrained.remote(out_dir) for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)

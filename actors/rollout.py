@@ -1,0 +1,45 @@
+"""RolloutActor: one vLLM engine that samples completions for the prompts of a step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import ray
+
+from actors.common import limit_threads
+
+
+@ray.remote(max_restarts=0)
+class RolloutActor:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_fraction: float = 0.8,
+        threads: int = 2,
+    ):
+        from actors.core.generator import Generator
+
+        limit_threads(threads)
+        self.generator = Generator(
+            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, gpu_memory_fraction=gpu_memory_fraction
+        )
+
+    def generate(
+        self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """`n` samples per prompt: token ids, text and behaviour log-probs (see `Generator.generate`)."""
+        return self.generator.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+
+    def greedy(self, prompts: Sequence[str], max_tokens: int) -> list[str]:
+        return self.generator.greedy(prompts, max_tokens)
+
+    def update_weights(self, state: dict[str, np.ndarray], version: int) -> int:
+        """Load new weights in place (object store on CPU); returns the weights version now served."""
+        return self.generator.update_weights(state, version)
+
+    def weights_version(self) -> int:
+        return self.generator.weights_version

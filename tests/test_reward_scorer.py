@@ -1,0 +1,92 @@
+"""RewardScorer: rule, remote HTTP (a real local server) and model rewards, combined."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from actors.core.reward import HttpReward, ModelReward, RewardScorer
+
+
+class _LengthReward(BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        payload = json.dumps({"rewards": [float(len(c)) for c in body["completions"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def reward_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _LengthReward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.shutdown()
+    server.server_close()
+
+
+def test_weighted_terms_combine_and_normalise(reward_server):
+    scorer = RewardScorer([("exact_match", 1.0), (reward_server, 0.5)], normalize=False)
+    out = scorer.score(["1+1=", "1+1="], ["2", "11"], answer=["2", "2"])
+    np.testing.assert_allclose(out, [1.0 + 0.5 * 1, 0.0 + 0.5 * 2])
+    normalised = RewardScorer([("exact_match", 1.0)], normalize=True).score(["a", "b"], ["2", "3"], answer=["2", "2"])
+    np.testing.assert_allclose(normalised, [1.0, -1.0])
+
+
+def test_unreachable_reward_url_fails_naming_it_after_retries():
+    with __import__("socket").socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/score"
+    reward = HttpReward(url, timeout_s=0.5, retries=2, backoff_s=0.01)
+    with pytest.raises(RuntimeError, match=rf"{url} failed after 3 tries"):
+        reward(["p"], ["c"])
+    scorer = RewardScorer([(url, 1.0)])
+    scorer.terms = [(url, 1.0, reward)]
+    with pytest.raises(RuntimeError, match="failed after 3 tries"):
+        scorer.score(["p"], ["c"])
+
+
+def test_reward_file_that_raises_is_named(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def reward(prompts, completions, **fields):\n    return 1 / 0\n")
+    scorer = RewardScorer([(f"{path}:reward", 1.0)])
+    with pytest.raises(RuntimeError, match=r"bad.py:reward' raised ZeroDivisionError"):
+        scorer.score(["p"], ["c"])
+
+
+def test_model_reward_scores_with_a_sequence_classifier(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from pipelines.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    reward = ModelReward(str(tmp_path))
+    scores = reward(["1+1=", "1+1=", "1+1="], ["2", "3", "2"])
+    assert len(scores) == 3 and all(np.isfinite(scores))
+    assert scores[0] == pytest.approx(scores[2]) and scores[0] != pytest.approx(scores[1])
