@@ -47,6 +47,12 @@ class LearnerActor:
     def save_pretrained(self, out_dir: str) -> None:
         self.learner.save_pretrained(out_dir)
 
+    def save_checkpoint(self, out_dir: str) -> None:
+        self.learner.save_checkpoint(out_dir)
+
+    def load_checkpoint(self, out_dir: str) -> None:
+        self.learner.load_checkpoint(out_dir)
+
 
 class LearnerGroup:
     """Creates the placement group and the learners, and wires them into one world."""
@@ -81,6 +87,12 @@ class LearnerGroup:
 
     def save_pretrained(self, out_dir: str) -> None:
         ray.get([a.save_pretrained.remote(out_dir) for a in self.actors])
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        ray.get([a.save_checkpoint.remote(out_dir) for a in self.actors])
+
+    def load_checkpoint(self, out_dir: str) -> None:
+        ray.get([a.load_checkpoint.remote(out_dir) for a in self.actors])
 
     def shutdown(self) -> None:
         for a in self.actors:

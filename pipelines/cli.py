@@ -23,8 +23,15 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# `raypo train` with no --config trains this preset (GRPO on the embedded tiny model).
+DEFAULT_TRAIN_PRESET = Path(__file__).resolve().parent.parent / "configs" / "grpo_tiny.yaml"
+
+
 def _load(args: argparse.Namespace) -> RaypoConfig:
-    return load_config(args.config, args.overrides)
+    path = args.config
+    if path is None and args.command == "train" and DEFAULT_TRAIN_PRESET.is_file():
+        path = DEFAULT_TRAIN_PRESET
+    return load_config(path, args.overrides)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -71,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipelines.trainer import train
 
     cfg = _load(args)
-    summary = train(cfg, address=args.address)
+    summary = train(cfg, address=args.address, resume=args.resume)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -95,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="RL training (GRPO on the embedded tiny model by default)")
     _add_config_args(p)
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
+    p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="greedy accuracy on the task's held-out split")
@@ -116,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"raypo {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # TrainingError and friends: the message names the cause
+        print(f"raypo {args.command}: failed: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ class TrainingConfig(Strict):
     minibatch_size: int = Field(64, ge=1, description="samples per optimizer step")
     epochs: int = Field(1, ge=1, description="passes over each step's experience")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    spill_experience: bool = Field(False, description="write each step's experience to runs/<name>/experience/*.parquet")
 
 
 class InferenceConfig(Strict):

@@ -1,243 +1,192 @@
-"""The RL driver: actors exchange ObjectRefs; the driver reads only metrics.
+"""The RL driver: builds the roles, runs an algorithm's step in a loop, and writes the run.
 
-One step: generate (rollout actors) -> reward -> reference log-probs -> advantages (a Ray
-task) -> learn (learner group) -> sync weights (learner -> rollout actors). `train(cfg)` is
-the one entry point the CLI, Ray Jobs and Ray Tune trials call.
+`train(cfg)` is the one entry point that the CLI, Ray Jobs and Ray Tune trials call: config
+in, summary out, each step's metrics to an optional callback. Outputs go to runs/<name>/:
+metrics.jsonl, summary.json, tensorboard/, reward_curve.png, checkpoints/step_N (Hugging
+Face weights + optimizer and step state, for --resume) and final/ (the trained policy).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from pipelines.config import RaypoConfig, task_options
-from pipelines.schedules import clip_eps
+from pipelines.grpo import grpo_step
+from pipelines.monitor import Alerts, Sinks
+from pipelines.ppo import ppo_step
+from pipelines.registry import Registry
+from pipelines.steps import Roles, build_roles, sync_weights
 from pipelines.tasks import Problem, make_task
 
 MetricsCallback = Callable[[dict], None]
+PIPELINES: Registry[Callable] = Registry("algorithm pipeline")
+PIPELINES.register("grpo")(grpo_step)
+PIPELINES.register("gspo")(grpo_step)  # GRPO's pipeline with the sequence-level policy loss
+PIPELINES.register("ppo")(ppo_step)
 
 
-def _prepare_experience(batch, scores, ref_logprobs, advantage: str, group_size: int, gamma: float, lam: float):
-    """Advantages for a rollout batch (a Ray task: runs next to the data, not in the driver)."""
-    import torch
-
-    from pipelines.advantages import ADVANTAGES, AdvantageBatch, AdvantageParams
-
-    mask = torch.from_numpy(batch["response_mask"])
-    adv, _ = ADVANTAGES.get(advantage)(
-        AdvantageBatch(scores=torch.from_numpy(scores).double(), mask=mask), AdvantageParams(gamma, lam, group_size)
-    )
-    extra = {"advantages": adv.float().numpy()}
-    if ref_logprobs is not None:
-        extra["ref_logprobs"] = ref_logprobs
-    lengths = batch["response_mask"].sum(axis=1)
-    valid = adv.float()[mask.bool()]
-    stats = {
-        "reward_mean": float(scores.mean()),
-        "reward_std": float(scores.std()),
-        "advantage_mean": float(valid.mean()) if valid.numel() else 0.0,
-        "advantage_std": float(valid.std()) if valid.numel() > 1 else 0.0,
-        "response_length": float(lengths.mean()),
-        "response_tokens": int(lengths.sum()),
-        "reward_all_zero": bool(np.all(scores == scores.flat[0])) and float(scores.flat[0]) <= -1.0 + 1e-6,
-    }
-    return extra, stats
-
-
-def _concat_batches(*batches):
-    """One batch from several rollout actors' batches (a Ray task), re-indexing prompts."""
-    width = {k: max(b[k].shape[1] for b in batches) for k in batches[0] if batches[0][k].ndim == 2}
-    out = {}
-    offset = 0
-    parts: dict[str, list] = {k: [] for k in batches[0]}
-    for b in batches:
-        for k, v in b.items():
-            if k in width:
-                pad = width[k] - v.shape[1]
-                # prompts are left-padded, responses right-padded
-                v = np.pad(v, ((0, 0), (pad, 0) if k.startswith("prompt") else (0, pad)))
-            elif k == "prompt_index":
-                v = v + offset
-            parts[k].append(v)
-        offset += int(b["prompt_index"].max()) + 1
-    for k, vs in parts.items():
-        out[k] = np.concatenate(vs)
-    return out
+class TrainingError(RuntimeError):
+    """A run stopped; the message names the cause. The last checkpoint is left intact."""
 
 
 class Trainer:
-    """Holds the actors of one run; `run()` trains and writes outputs under runs/<name>/."""
-
     def __init__(self, cfg: RaypoConfig, model_dir: Path, on_metrics: MetricsCallback | None = None):
-        import ray
-
-        from actors.core.learner import LearnerSpec
-        from actors.learner import LearnerGroup
-        from actors.reference import ReferenceActor
-        from actors.reward import RewardActor
-        from actors.rollout import RolloutActor
-
+        if cfg.algo.name not in PIPELINES:
+            raise TrainingError(f"algorithm {cfg.algo.name!r} has no RL pipeline yet; known: {', '.join(PIPELINES.names())}")
         self.cfg, self.model_dir, self.on_metrics = cfg, model_dir, on_metrics
+        self.step_fn = PIPELINES.get(cfg.algo.name)
         self.out_dir = Path(cfg.output_dir) / cfg.name
+        self.ckpt_root = self.out_dir / "checkpoints"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         task_cfg = cfg.task.task
         self.task = make_task(task_cfg.name, **task_options(task_cfg))
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
-        self.prompt_stream = self.task.stream("train", cfg.seed)
-        threads = min(os.cpu_count() or 1, 4)
-        res = cfg.resource
-        self.rollouts = [
-            RolloutActor.options(num_cpus=0.5, num_gpus=1 if res.use_gpu else 0).remote(
-                str(model_dir), cfg.model.dtype, cfg.seed + i, None, res.gpu_memory_fraction, threads
-            )
-            for i in range(res.num_rollout_workers)
-        ]
-        terms = [(t.fn, t.weight) for t in cfg.reward.terms]
-        self.reward = RewardActor.options(num_cpus=0.1).remote(terms, cfg.reward.normalize, cfg.reward.value_range)
-        self.reference = (
-            ReferenceActor.options(num_cpus=0.5).remote(str(model_dir), cfg.inference.temperature, threads)
-            if cfg.algo.kl_coef > 0
-            else None
-        )
-        spec = LearnerSpec(
-            model_dir=str(model_dir),
-            lr=cfg.training.lr,
-            grad_clip=cfg.training.grad_clip,
-            zero_stage=res.zero_stage,
-            bf16=cfg.model.dtype == "bfloat16",
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-            temperature=cfg.inference.temperature,
-            seed=cfg.seed,
-            use_gpu=res.use_gpu,
-        )
-        self.learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
-        self.prepare = ray.remote(num_cpus=0.1, num_returns=2)(_prepare_experience)
-        self.concat = ray.remote(num_cpus=0.1)(_concat_batches)
+        self.prompts_per_step = max(1, cfg.training.batch_size // cfg.algo.group_size)
+        self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
 
+    # ------------------------------------------------------------------ evaluation
     def evaluate(self, problems: list[Problem]) -> float:
-        """Greedy accuracy on `problems`, with the first rollout engine (current weights)."""
+        """Greedy accuracy on `problems` with the first rollout engine (current weights)."""
         import ray
 
         max_tokens = max(len(p.answer) for p in problems) + 2
-        texts = ray.get(self.rollouts[0].greedy.remote([p.prompt for p in problems], max_tokens))
+        texts = ray.get(self.roles.rollouts[0].greedy.remote([p.prompt for p in problems], max_tokens))
         return sum(t.strip() == p.answer for t, p in zip(texts, problems, strict=True)) / len(problems)
 
-    def step(self, step: int) -> dict:
+    # ------------------------------------------------------------------ checkpoints
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.ckpt_root / "latest"
+        return self.ckpt_root / pointer.read_text().strip() if pointer.exists() else None
+
+    def save_checkpoint(self, step: int, state: dict) -> Path:
+        """Write checkpoints/step_N atomically (tmp dir, rename, then the `latest` pointer),
+        so a crash mid-save leaves the previous checkpoint the valid latest one."""
         import ray
 
-        from actors.core.learner import LossSpec
+        name = f"step_{step:06d}"
+        tmp = self.ckpt_root / f"{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.roles.learners.save_checkpoint(str(tmp))
+        if self.roles.value is not None:
+            ray.get(self.roles.value.save.remote(str(tmp / "critic")))
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))
+        final = self.ckpt_root / name
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pointer_tmp = self.ckpt_root / "latest.tmp"
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, self.ckpt_root / "latest")
+        return final
 
-        cfg, algo = self.cfg, self.cfg.algo
-        timings: dict[str, float] = {}
-        n_prompts = max(1, cfg.training.batch_size // algo.group_size)
-        problems = [next(self.prompt_stream) for _ in range(n_prompts)]
-        chunks = np.array_split(np.arange(n_prompts), len(self.rollouts))
+    def load_checkpoint(self, path: Path) -> dict:
+        import ray
 
-        t0 = time.monotonic()
-        parts = [
-            actor.generate.remote(
-                [problems[i].prompt for i in idx],
-                algo.group_size,
-                cfg.inference.temperature,
-                cfg.inference.top_p,
-                cfg.inference.max_tokens,
-                cfg.seed * 100003 + step,
-            )
-            for actor, idx in zip(self.rollouts, chunks, strict=True)
-            if len(idx)
-        ]
-        batch = parts[0] if len(parts) == 1 else self.concat.remote(*parts)
-        ray.wait([batch], fetch_local=False)
-        timings["time_generate"] = time.monotonic() - t0
+        self.roles.learners.load_checkpoint(str(path))
+        if self.roles.value is not None:
+            ray.get(self.roles.value.load.remote(str(path / "critic")))
+        state = json.loads((path / "trainer_state.json").read_text())
+        sync_weights(self.roles, state["step"])
+        return state
 
-        t0 = time.monotonic()
-        scores = self.reward.score.remote(batch, [p.answer for p in problems])
-        ray.wait([scores], fetch_local=False)
-        timings["time_reward"] = time.monotonic() - t0
-
-        t0 = time.monotonic()
-        ref = self.reference.logprobs.remote(batch) if self.reference else None
-        if ref is not None:
-            ray.wait([ref], fetch_local=False)
-        timings["time_reference"] = time.monotonic() - t0
-
-        extra, stats_ref = self.prepare.remote(batch, scores, ref, algo.advantage, algo.group_size, algo.gamma, algo.lam)
-        t0 = time.monotonic()
-        eps = clip_eps(step, algo.clip_eps, algo.clip_decay, algo.clip_decay_every)
-        loss = LossSpec(
-            policy_loss=algo.policy_loss,
-            clip_low=eps,
-            clip_high=eps * algo.clip_high / algo.clip_eps,
-            aggregate=algo.aggregate,
-            kl_coef=algo.kl_coef,
-            kl_kind=algo.kl_kind,
-            entropy_coef=algo.entropy_coef,
-        )
-        learn = self.learners.train_step(batch, extra, loss, cfg.training.minibatch_size, cfg.training.epochs)
-        timings["time_learn"] = time.monotonic() - t0
-
-        t0 = time.monotonic()
-        weights = self.learners.state_dict_ref()
-        ray.get([r.update_weights.remote(weights, step + 1) for r in self.rollouts])
-        timings["time_sync"] = time.monotonic() - t0
-
-        stats = ray.get(stats_ref)
-        step_time = sum(timings.values())
-        return {
-            "step": step,
-            **stats,
-            **learn,
-            **timings,
-            "step_time": step_time,
-            "clip_eps": eps,
-            "tokens_per_s": stats["response_tokens"] / max(timings["time_generate"], 1e-9),
-        }
-
-    def run(self) -> dict:
+    # ------------------------------------------------------------------ the loop
+    def run(self, resume: bool = False) -> dict:
         from tqdm import tqdm
 
-        cfg = self.cfg
-        started = time.monotonic()
-        acc_start = self.evaluate(self.eval_problems)
-        history = []
-        with open(self.out_dir / "metrics.jsonl", "a") as sink, tqdm(total=cfg.training.steps, desc="train") as bar:
-            for step in range(cfg.training.steps):
-                metrics = self.step(step)
-                history.append(metrics)
-                sink.write(json.dumps(metrics) + "\n")
-                sink.flush()
+        cfg, started = self.cfg, time.monotonic()
+        state: dict = {}
+        start_step = 0
+        if resume:
+            ckpt = self.latest_checkpoint()
+            if ckpt is None:
+                raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
+            state = self.load_checkpoint(ckpt)
+            start_step = state["step"]
+            print(f"resumed from {ckpt} at step {start_step}")
+        if "eval_accuracy_start" not in state:
+            state["eval_accuracy_start"] = self.evaluate(self.eval_problems)
+        stream = self.task.stream("train", cfg.seed)
+        for _ in range(start_step * self.prompts_per_step):  # the prompts earlier steps used
+            next(stream)
+        sinks = Sinks(self.out_dir, resume_step=start_step)
+        alerts = Alerts(
+            cfg.monitor, reward_span=2.0 if cfg.reward.normalize else cfg.reward.value_range[1] - cfg.reward.value_range[0]
+        )
+        for past in sinks.history:
+            alerts.check(past)
+        bar = tqdm(total=cfg.training.steps, initial=start_step, desc=f"{cfg.algo.name} {cfg.name}", dynamic_ncols=True)
+        step = start_step
+        try:
+            for step in range(start_step, cfg.training.steps):
+                problems = [next(stream) for _ in range(self.prompts_per_step)]
+                metrics = self._one_step(step, problems)
+                metrics["alerts"] = alerts.check(metrics)
+                for alert in metrics["alerts"]:
+                    bar.write(f"warning: step {step}: {alert}")
+                sinks.write(metrics)
                 if self.on_metrics:
                     self.on_metrics(metrics)
                 bar.set_postfix(
-                    reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}", s_per_step=f"{metrics['step_time']:.2f}"
+                    reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}", s=f"{metrics['step_time']:.2f}"
                 )
                 bar.update()
+                every = cfg.training.save_every
+                if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
+                    self.save_checkpoint(step + 1, state)
+        finally:
+            bar.close()
+            sinks.plot_rewards() if sinks.history else None
+            sinks.close()
+        end_step = max(step + 1, start_step) if cfg.training.steps > start_step else start_step
+        ckpt = self.save_checkpoint(end_step, state)
+        final = self.out_dir / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(ckpt / "policy", final)
         acc_end = self.evaluate(self.eval_problems)
-        self.learners.save_pretrained(str(self.out_dir / "final"))
         summary = {
             "name": cfg.name,
             "algo": cfg.algo.name,
-            "steps": cfg.training.steps,
+            "steps": end_step,
             "eval_problems": len(self.eval_problems),
-            "eval_accuracy_start": acc_start,
+            "eval_accuracy_start": state["eval_accuracy_start"],
             "eval_accuracy_end": acc_end,
-            "final_reward_mean": history[-1]["reward_mean"] if history else None,
+            "final_reward_mean": sinks.history[-1]["reward_mean"] if sinks.history else None,
             "wall_seconds": round(time.monotonic() - started, 1),
-            "checkpoint": str(self.out_dir / "final"),
+            "checkpoint": str(ckpt),
+            "policy": str(final),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def _one_step(self, step: int, problems: list[Problem]) -> dict:
+        metrics = self.step_fn(self.roles, self.cfg, step, problems)
+        step_time = sum(v for k, v in metrics.items() if k.startswith("time_"))
+        tokens_per_s = metrics["response_tokens"] / max(metrics["time_generate"], 1e-9)
+        return {"step": step, **metrics, "step_time": step_time, "tokens_per_s": tokens_per_s}
 
-def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None) -> dict:
-    """Train with `cfg` on the Ray cluster at `address` (or RAY_ADDRESS), else a local Ray
-    this call starts and stops. Returns the run's summary."""
+
+def _describe_failure(err: BaseException) -> str:
+    """A one-line cause for a Ray failure: the actor that died, or the error inside a task."""
+    import ray.exceptions as rex
+
+    if isinstance(err, rex.RayTaskError):
+        inner = err.__dict__.get("cause") or err
+        return f"{type(inner).__name__}: {inner}".splitlines()[0][:500]
+    if isinstance(err, rex.ActorDiedError | rex.RayActorError):
+        return f"an actor died: {str(err).splitlines()[0][:300]}"
+    return f"{type(err).__name__}: {err}"
+
+
+def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None, resume: bool = False) -> dict:
+    """Train with `cfg` on the Ray cluster at `address` (or RAY_ADDRESS), else on a local Ray
+    that this call starts and stops. Returns the run's summary; raises TrainingError."""
     import ray
+    import ray.exceptions as rex
 
     from pipelines.cli import resolve_model_path
 
@@ -248,11 +197,23 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
         if address:
             ray.init(address=address)
         else:
-            # Logical CPUs beyond the physical cores: roles take turns within a step.
+            # More logical CPUs than cores: the roles take turns within a step.
             ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
             started_ray = True
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    trainer = None
     try:
-        return Trainer(cfg, model_dir, on_metrics).run()
+        trainer = Trainer(cfg, model_dir, on_metrics)
+        return trainer.run(resume=resume)
+    except (rex.RayError, rex.RayTaskError) as err:
+        raise TrainingError(_describe_failure(err)) from err
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        if trainer is not None:
+            trainer.roles.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")  # runs the finally blocks: Ray is shut down

@@ -139,7 +139,7 @@ class Learner:
         n = len(batch["response_ids"])
         order = np.random.default_rng(self.spec.seed + self.steps_done).permutation(n)
         totals: dict[str, float] = {}
-        count = 0
+        count = skipped = 0
         for _ in range(epochs):
             for start in range(0, n, minibatch_size):
                 rows = order[start : start + minibatch_size]
@@ -147,8 +147,9 @@ class Learner:
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 count += 1
+                skipped += metrics["update_success"] == 0.0
         self.steps_done += 1
-        return {key: value / count for key, value in totals.items()}
+        return {key: value / count for key, value in totals.items()} | {"skipped_updates": float(skipped)}
 
     def _minibatch_step(self, batch: Mapping[str, np.ndarray], rows: np.ndarray, spec: LossSpec) -> dict[str, float]:
         whole_mask = torch.from_numpy(batch["response_mask"][rows])
@@ -184,6 +185,10 @@ class Learner:
             kl = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl
+        if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
+            # A non-finite loss would poison the weights: skip this update, report it.
+            self.engine.zero_grad()
+            return {"loss": float("nan"), "update_success": 0.0}
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
         # averaged over ranks here, so the norm read off them is the global one.
@@ -208,6 +213,7 @@ class Learner:
         out = {k: summed[k] / self.world_size for k in ("loss", "pg_loss", "entropy", "kl")}
         out.update({k: summed[k] / self.world_size for k in ("clip_fraction", "approx_kl")})
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["update_success"] = 1.0
         return out
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
@@ -229,6 +235,19 @@ class Learner:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
         return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, out_dir: str | Path) -> None:
+        """Policy in Hugging Face format under `policy/`, optimizer and step state under
+        `deepspeed/` (every rank takes part)."""
+        out_dir = Path(out_dir)
+        self.engine.save_checkpoint(str(out_dir / "deepspeed"), tag="state", client_state={"steps_done": self.steps_done})
+        self.save_pretrained(out_dir / "policy")
+
+    def load_checkpoint(self, out_dir: str | Path) -> None:
+        path, client = self.engine.load_checkpoint(str(Path(out_dir) / "deepspeed"), tag="state")
+        if path is None:
+            raise FileNotFoundError(f"no learner state in {out_dir}")
+        self.steps_done = client["steps_done"]
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Hugging Face format (safetensors + tokenizer), written by rank 0."""

@@ -1,0 +1,31 @@
+"""ValueActor: the PPO critic, predicting values and fitting them to GAE returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from actors.common import limit_threads
+
+
+@ray.remote(max_restarts=0)
+class ValueActor:
+    def __init__(self, model_dir: str, lr: float, grad_clip: float, clip: float, seed: int = 0, threads: int = 2):
+        from actors.core.critic import Critic
+
+        limit_threads(threads)
+        self.critic = Critic(model_dir, lr=lr, grad_clip=grad_clip, clip=clip, seed=seed)
+
+    def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """`[N, T]` value estimates for the batch's response positions."""
+        return self.critic.values(batch)
+
+    def train_step(self, batch: dict[str, np.ndarray], extra: dict[str, np.ndarray], minibatch_size: int, epochs: int) -> dict:
+        """Clipped value-loss update towards `extra["returns"]` around `extra["old_values"]`."""
+        return self.critic.train_step({**batch, **extra}, minibatch_size, epochs)
+
+    def save(self, out_dir: str) -> None:
+        self.critic.save(out_dir)
+
+    def load(self, out_dir: str) -> None:
+        self.critic.load(out_dir)

@@ -1,0 +1,31 @@
+"""GRPO (and GSPO, with `algo.policy_loss: gspo`): group baselines, no critic.
+
+generate G samples per prompt -> reward -> reference log-probs -> group advantages -> learn
+-> sync weights. Every call passes ObjectRefs; the driver reads the metrics only.
+"""
+
+from __future__ import annotations
+
+from pipelines.config import RaypoConfig
+from pipelines.steps import Phases, Roles, buffer_metrics, generate, policy_loss_spec, record_experience, sync_weights
+from pipelines.tasks import Problem
+
+
+def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
+    import ray
+
+    algo, phases = cfg.algo, Phases()
+    batch = generate(roles, cfg, problems, step)
+    phases.done("generate", batch)
+    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
+    phases.done("reward", scores)
+    ref = roles.reference.logprobs.remote(batch) if roles.reference else None
+    phases.done("reference", ref)
+    extra, stats = roles.remote_prepare.remote(batch, scores, ref, None, algo.advantage, algo.group_size, algo.gamma, algo.lam)
+    stored = record_experience(roles, step, batch, extra)
+    loss = policy_loss_spec(cfg, step)
+    learned = roles.learners.train_step(batch, extra, loss, cfg.training.minibatch_size, cfg.training.epochs)
+    phases.done("learn")
+    sync_weights(roles, step + 1)
+    phases.done("sync")
+    return {**ray.get(stats), **buffer_metrics(ray.get(stored)), **learned, **phases.times, "clip_eps": loss.clip_low}

@@ -1,0 +1,119 @@
+"""Per-step monitoring: the seeds' alerts and the metric sinks (JSONL, TensorBoard, Ray metrics,
+a reward-curve PNG). The console progress bar lives in the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from pipelines.config import MonitorConfig
+
+
+class Alerts:
+    """The seeds' alerts, evaluated on each step's metrics.
+
+    - grad norm above `grad_norm_alert` (1.5) and KL to the reference above `kl_alert` (0.02);
+    - reward falling: the step's reward is below the mean of the previous `reward_window` steps by
+      more than `reward_drop` (10%) of the reward's range, on `reward_drop_steps` (5) steps in a row;
+    - all rewards at the bottom of the range (the reward model may be broken: check its health);
+    - a non-finite loss (the learner skipped that update).
+    """
+
+    def __init__(self, cfg: MonitorConfig, reward_span: float = 2.0):
+        self.cfg = cfg
+        self.reward_span = reward_span
+        self.window: deque[float] = deque(maxlen=cfg.reward_window)
+        self.falling_streak = 0
+
+    def check(self, m: dict) -> list[str]:
+        cfg, alerts = self.cfg, []
+        if m.get("grad_norm", 0.0) > cfg.grad_norm_alert:
+            alerts.append(f"grad norm {m['grad_norm']:.3f} > {cfg.grad_norm_alert}")
+        if m.get("kl", 0.0) > cfg.kl_alert:
+            alerts.append(f"KL to reference {m['kl']:.4f} > {cfg.kl_alert}")
+        reward = m["reward_mean"]
+        if self.window:
+            mean = sum(self.window) / len(self.window)
+            self.falling_streak = self.falling_streak + 1 if mean - reward > cfg.reward_drop * self.reward_span else 0
+            if self.falling_streak >= cfg.reward_drop_steps:
+                alerts.append(
+                    f"reward fell more than {cfg.reward_drop:.0%} below its {len(self.window)}-step mean "
+                    f"on {self.falling_streak} consecutive steps"
+                )
+        self.window.append(reward)
+        if m.get("reward_all_zero"):
+            alerts.append("every reward of the step is at the bottom of its range: check the reward model's health")
+        if m.get("update_success", 1.0) < 1.0:
+            alerts.append("non-finite loss: the update was skipped")
+        return alerts
+
+
+class Sinks:
+    """Writes each step's metrics to metrics.jsonl, TensorBoard and Ray metrics (Prometheus)."""
+
+    def __init__(self, out_dir: Path, resume_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.out_dir = out_dir
+        path = out_dir / "metrics.jsonl"
+        # On resume, drop the lines of steps after the checkpoint: they will be run again.
+        kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] < resume_step] if path.exists() else []
+        path.write_text("".join(ln + "\n" for ln in kept))
+        self.history = [json.loads(ln) for ln in kept]
+        self.jsonl = open(path, "a")
+        self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
+        self.gauges: dict[str, Callable] = {}
+
+    def write(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        self.jsonl.flush()
+        step = metrics["step"]
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
+                self._gauge(key, value)
+
+    def _gauge(self, key: str, value: float) -> None:
+        try:
+            from ray.util.metrics import Gauge
+        except ImportError:
+            return
+        if key not in self.gauges:
+            self.gauges[key] = Gauge(f"raypo_{key}", description=f"raypo training metric {key}")
+        try:
+            self.gauges[key].set(value)
+        except Exception:  # Ray metrics need a connected worker; never let them break training
+            pass
+
+    def plot_rewards(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [m["step"] for m in self.history]
+        rewards = [m["reward_mean"] for m in self.history]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, rewards, label="reward mean", alpha=0.5)
+        if len(rewards) >= 5:
+            k = max(5, len(rewards) // 20)
+            smooth = [
+                sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))
+            ]
+            ax.plot(steps, smooth, label=f"{k}-step mean")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        path = self.out_dir / "reward_curve.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()

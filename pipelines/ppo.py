@@ -1,0 +1,47 @@
+"""PPO: a critic (ValueActor) and GAE advantages.
+
+generate -> reward -> reference log-probs and values -> GAE -> learn policy and critic
+(in parallel) -> sync weights.
+"""
+
+from __future__ import annotations
+
+from pipelines.config import RaypoConfig
+from pipelines.schedules import gae_lambda
+from pipelines.steps import Phases, Roles, buffer_metrics, generate, policy_loss_spec, record_experience, sync_weights
+from pipelines.tasks import Problem
+
+
+def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
+    import ray
+
+    if roles.value is None:
+        raise ValueError("PPO needs a critic: set algo.advantage=gae")
+    algo, phases = cfg.algo, Phases()
+    batch = generate(roles, cfg, problems, step)
+    phases.done("generate", batch)
+    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
+    phases.done("reward", scores)
+    ref = roles.reference.logprobs.remote(batch) if roles.reference else None
+    phases.done("reference", ref)
+    values = roles.value.values.remote(batch)
+    phases.done("value", values)
+    lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
+    extra, stats = roles.remote_prepare.remote(batch, scores, ref, values, algo.advantage, algo.group_size, algo.gamma, lam)
+    critic = roles.value.train_step.remote(batch, extra, cfg.training.minibatch_size, cfg.training.epochs)
+    stored = record_experience(roles, step, batch, extra)
+    loss = policy_loss_spec(cfg, step)
+    learned = roles.learners.train_step(batch, extra, loss, cfg.training.minibatch_size, cfg.training.epochs)
+    critic_metrics = ray.get(critic)
+    phases.done("learn")
+    sync_weights(roles, step + 1)
+    phases.done("sync")
+    return {
+        **ray.get(stats),
+        **buffer_metrics(ray.get(stored)),
+        **learned,
+        **critic_metrics,
+        **phases.times,
+        "clip_eps": loss.clip_low,
+        "gae_lambda": lam,
+    }

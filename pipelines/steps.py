@@ -1,0 +1,223 @@
+"""The shared steps of an RL pipeline, and the actors (roles) they drive.
+
+Every step takes and returns ObjectRefs; the driver waits on them (without fetching) only to
+time each phase. Algorithms (pipelines/grpo.py, pipelines/ppo.py) compose these steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.config import RaypoConfig
+from pipelines.schedules import clip_eps
+from pipelines.tasks import Problem
+
+
+def actor_name(cfg: RaypoConfig, role: str) -> str:
+    """Actors are named by run, driver process and role, so dashboards and tools can find them."""
+    return f"raypo:{cfg.name}:{os.getpid()}:{role}"
+
+
+@dataclass
+class Roles:
+    """Handles to a run's actors and helper tasks."""
+
+    rollouts: list
+    reward: Any
+    learners: Any  # actors.learner.LearnerGroup
+    buffer: Any = None
+    reference: Any = None
+    value: Any = None
+    remote_prepare: Any = None
+    remote_concat: Any = None
+
+    def shutdown(self) -> None:
+        """End every actor of the run and free the learners' placement group."""
+        import ray
+
+        for actor in [*self.rollouts, self.reward, self.buffer, self.reference, self.value]:
+            if actor is not None:
+                ray.kill(actor)
+        self.learners.shutdown()
+
+
+def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
+    import ray
+
+    from actors.buffer import ExperienceBuffer
+    from actors.core.learner import LearnerSpec
+    from actors.learner import LearnerGroup
+    from actors.reference import ReferenceActor
+    from actors.reward import RewardActor
+    from actors.rollout import RolloutActor
+    from actors.value import ValueActor
+
+    res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
+    rollouts = [
+        RolloutActor.options(num_cpus=0.5, num_gpus=1 if res.use_gpu else 0, name=actor_name(cfg, f"rollout-{i}")).remote(
+            str(model_dir), cfg.model.dtype, cfg.seed + i, None, res.gpu_memory_fraction, threads
+        )
+        for i in range(res.num_rollout_workers)
+    ]
+    terms = [(t.fn, t.weight) for t in cfg.reward.terms]
+    reward = RewardActor.options(num_cpus=0.1).remote(terms, cfg.reward.normalize, cfg.reward.value_range)
+    spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
+    buffer = ExperienceBuffer.options(num_cpus=0.1).remote(1, spill_dir)
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = ReferenceActor.options(num_cpus=0.5).remote(str(model_dir), cfg.inference.temperature, threads)
+    value = None
+    if cfg.algo.advantage == "gae":
+        value = ValueActor.options(num_cpus=0.5).remote(
+            str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads
+        )
+    spec = LearnerSpec(
+        model_dir=str(model_dir),
+        lr=cfg.training.lr,
+        grad_clip=cfg.training.grad_clip,
+        zero_stage=res.zero_stage,
+        bf16=cfg.model.dtype == "bfloat16",
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        temperature=cfg.inference.temperature,
+        seed=cfg.seed,
+        use_gpu=res.use_gpu,
+    )
+    learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
+    return Roles(
+        rollouts=rollouts,
+        reward=reward,
+        learners=learners,
+        buffer=buffer,
+        reference=reference,
+        value=value,
+        remote_prepare=ray.remote(num_cpus=0.1, num_returns=2)(prepare_experience),
+        remote_concat=ray.remote(num_cpus=0.1)(concat_batches),
+    )
+
+
+class Phases:
+    """Wall time per phase of one step: each `done(name, *refs)` waits (without fetching) for
+    the phase's results and records the time since the previous phase ended."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def done(self, name: str, *refs) -> None:
+        import ray
+
+        pending = [r for r in refs if r is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), fetch_local=False)
+        now = time.monotonic()
+        self.times[f"time_{name}"] = now - self._last
+        self._last = now
+
+
+def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int):
+    """All prompts of the step, split over the rollout actors; one batch ref back."""
+    chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
+    inf = cfg.inference
+    parts = [
+        actor.generate.remote(
+            [problems[i].prompt for i in idx],
+            cfg.algo.group_size,
+            inf.temperature,
+            inf.top_p,
+            inf.max_tokens,
+            cfg.seed * 100_003 + step,
+        )
+        for actor, idx in zip(roles.rollouts, chunks, strict=False)
+    ]
+    return parts[0] if len(parts) == 1 else roles.remote_concat.remote(*parts)
+
+
+def policy_loss_spec(cfg: RaypoConfig, step: int):
+    from actors.core.learner import LossSpec
+
+    algo = cfg.algo
+    eps = clip_eps(step, algo.clip_eps, algo.clip_decay, algo.clip_decay_every)
+    return LossSpec(
+        policy_loss=algo.policy_loss,
+        clip_low=eps,
+        clip_high=eps * algo.clip_high / algo.clip_eps,
+        aggregate=algo.aggregate,
+        kl_coef=algo.kl_coef,
+        kl_kind=algo.kl_kind,
+        entropy_coef=algo.entropy_coef,
+    )
+
+
+def record_experience(roles: Roles, step: int, batch, extra):
+    """Store the step's experience in the buffer (spilled to Parquet when configured); a ref to its size."""
+    return roles.buffer.add.remote(step, batch, extra)
+
+
+def buffer_metrics(size: dict) -> dict:
+    return {"buffer_rows": size["rows"], "buffer_bytes": size["bytes"]}
+
+
+def sync_weights(roles: Roles, version: int) -> None:
+    """New learner weights -> every rollout engine (object store on CPU)."""
+    import ray
+
+    weights = roles.learners.state_dict_ref()
+    ray.get([r.update_weights.remote(weights, version) for r in roles.rollouts])
+
+
+def prepare_experience(batch, scores, ref_logprobs, values, advantage: str, group_size: int, gamma: float, lam: float):
+    """Advantages (and returns, old values for a critic) of a rollout batch, plus summary stats.
+    Runs as a Ray task next to the data, never in the driver."""
+    import torch
+
+    from pipelines.advantages import ADVANTAGES, AdvantageBatch, AdvantageParams
+
+    mask = torch.from_numpy(batch["response_mask"])
+    inputs = AdvantageBatch(
+        scores=torch.from_numpy(scores).double(),
+        mask=mask,
+        values=None if values is None else torch.from_numpy(values).double(),
+    )
+    adv, returns = ADVANTAGES.get(advantage)(inputs, AdvantageParams(gamma, lam, group_size))
+    extra = {"advantages": adv.float().numpy()}
+    if ref_logprobs is not None:
+        extra["ref_logprobs"] = ref_logprobs
+    if values is not None:
+        extra["returns"] = returns.float().numpy()
+        extra["old_values"] = values
+    lengths = batch["response_mask"].sum(axis=1)
+    valid = adv.float()[mask.bool()]
+    stats = {
+        "reward_mean": float(scores.mean()),
+        "reward_std": float(scores.std()),
+        "advantage_mean": float(valid.mean()) if valid.numel() else 0.0,
+        "advantage_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        "response_length": float(lengths.mean()),
+        "response_tokens": int(lengths.sum()),
+        "truncated_fraction": float(1.0 - batch["finished"].mean()),
+    }
+    return extra, stats
+
+
+def concat_batches(*batches):
+    """One batch from several rollout actors' batches (a Ray task); prompts re-indexed."""
+    widths = {k: max(b[k].shape[1] for b in batches) for k, v in batches[0].items() if v.ndim == 2}
+    parts: dict[str, list] = {k: [] for k in batches[0]}
+    offset = 0
+    for b in batches:
+        for k, v in b.items():
+            if k in widths:
+                pad = widths[k] - v.shape[1]
+                # prompts are left-padded, responses right-padded
+                v = np.pad(v, ((0, 0), (pad, 0) if k.startswith("prompt") else (0, pad)))
+            elif k == "prompt_index":
+                v = v + offset
+            parts[k].append(v)
+        offset += int(b["prompt_index"].max()) + 1
+    return {k: np.concatenate(vs) for k, vs in parts.items()}

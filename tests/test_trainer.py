@@ -1,0 +1,119 @@
+"""Few-step GRPO and PPO runs through the real actor system, resume, and failures that must
+end a run with a message naming the cause while the last checkpoint stays valid."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from safetensors.numpy import load_file
+
+from pipelines.config import load_config
+from pipelines.trainer import TrainingError, train
+
+pytestmark = pytest.mark.slow
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SMALL = [
+    "training.batch_size=32",
+    "training.minibatch_size=16",
+    "training.lr=1e-4",
+    "task.eval_problems=50",
+]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(tmp_path, preset, *overrides):
+    return load_config(CONFIGS / preset, [*SMALL, f"output_dir={tmp_path}", *overrides])
+
+
+def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_model, tmp_path):
+    cfg = _cfg(
+        tmp_path, "grpo_tiny.yaml", "name=g", "training.steps=3", "training.save_every=2", "training.spill_experience=true"
+    )
+    seen = []
+    summary = train(cfg, on_metrics=seen.append)
+    run = tmp_path / "g"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2] and len(seen) == 3
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "entropy",
+        "grad_norm",
+        "clip_fraction",
+        "advantage_mean",
+        "advantage_std",
+        "response_length",
+        "tokens_per_s",
+        "time_generate",
+        "time_learn",
+        "time_sync",
+        "update_success",
+        "buffer_rows",
+    ):
+        assert all(np.isfinite(m[key]) for m in lines), key
+    assert summary["steps"] == 3 and 0 <= summary["eval_accuracy_start"] <= 1 and 0 <= summary["eval_accuracy_end"] <= 1
+    assert (run / "reward_curve.png").stat().st_size > 0
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(list((run / "experience").glob("*.parquet"))) == 3
+    assert (run / "checkpoints" / "latest").read_text() == "step_000003"
+    assert (run / "checkpoints" / "step_000002" / "policy" / "model.safetensors").exists()
+    before = load_file(str(tiny_model[0] / "model.safetensors"))
+    after = load_file(str(run / "final" / "model.safetensors"))
+    assert any(not np.array_equal(before[k], after[k]) for k in before), "parameters did not move"
+
+    # --resume continues from step 3 to 5, and the metrics keep one line per step
+    resumed = train(cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 5})}), resume=True)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    assert resumed["steps"] == 5 and resumed["eval_accuracy_start"] == summary["eval_accuracy_start"]
+    state = json.loads((run / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
+    assert state["step"] == 5
+
+
+def test_ppo_run_trains_the_critic(local_ray, tiny_model, tmp_path):
+    cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3")
+    train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)
+    assert lines[-1]["value_mse"] < lines[0]["value_mse"], "the critic did not fit the returns"
+    assert (tmp_path / "p" / "checkpoints" / "step_000003" / "critic" / "critic.safetensors").exists()
+
+
+def test_missing_model_path_is_named(local_ray, tmp_path):
+    cfg = _cfg(tmp_path, "grpo_tiny.yaml", f"model.path={tmp_path}/nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        train(cfg)
+
+
+def test_reward_file_that_raises_ends_the_run_naming_it(local_ray, tiny_model, tmp_path):
+    reward = tmp_path / "broken_reward.py"
+    reward.write_text("def score(prompts, completions, **fields):\n    raise ValueError('no verifier')\n")
+    cfg = _cfg(tmp_path, "grpo_tiny.yaml", "name=r", "training.steps=2", f"reward.terms=[{{fn: '{reward}:score'}}]")
+    with pytest.raises(TrainingError, match=r"broken_reward.py:score' raised ValueError: no verifier"):
+        train(cfg)
+
+
+def test_dead_actor_ends_the_run_and_keeps_the_last_checkpoint(local_ray, tiny_model, tmp_path):
+    cfg = _cfg(tmp_path, "grpo_tiny.yaml", "name=d", "training.steps=4", "training.save_every=1")
+
+    def kill_rollout_after_step_1(metrics):
+        if metrics["step"] == 1:
+            ray.kill(ray.get_actor(f"raypo:d:{os.getpid()}:rollout-0"))
+
+    with pytest.raises(TrainingError, match="actor died|RolloutActor"):
+        train(cfg, on_metrics=kill_rollout_after_step_1)
+    ckpt = tmp_path / "d" / "checkpoints"
+    latest = ckpt / (ckpt / "latest").read_text()
+    assert latest.name == "step_000002"
+    assert json.loads((latest / "trainer_state.json").read_text())["step"] == 2
+    assert load_file(str(latest / "policy" / "model.safetensors"))
