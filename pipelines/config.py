@@ -160,6 +160,7 @@ class TrainingConfig(Strict):
     batch_size: int = Field(128, ge=1, description="samples (prompts x group) per RL step")
     steps: int = Field(100, ge=0, description="RL steps")
     lr: float = Field(3e-5, gt=0, description="learning rate")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warmup")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
     minibatch_size: int = Field(64, ge=1, description="samples per optimizer step")
     epochs: int = Field(1, ge=1, description="passes over each step's experience")

@@ -80,6 +80,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     spec = LearnerSpec(
         model_dir=str(model_dir),
         lr=cfg.training.lr,
+        warmup_steps=cfg.training.warmup_steps,
         grad_clip=cfg.training.grad_clip,
         zero_stage=res.zero_stage,
         bf16=cfg.model.dtype == "bfloat16",

@@ -25,6 +25,7 @@ class LearnerSpec:
 
     model_dir: str
     lr: float = 3e-5
+    warmup_steps: int = 0  # optimizer steps of linear lr warmup (Adam's first steps are full-size)
     grad_clip: float = 1.0
     zero_stage: int = 0
     bf16: bool = False
@@ -110,6 +111,7 @@ class Learner:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.steps_done = 0
+        self.optimizer_steps = 0
 
     @property
     def model(self):
@@ -189,6 +191,7 @@ class Learner:
             # A non-finite loss would poison the weights: skip this update, report it.
             self.engine.zero_grad()
             return {"loss": float("nan"), "update_success": 0.0}
+        self._set_lr()
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
         # averaged over ranks here, so the norm read off them is the global one.
@@ -198,6 +201,7 @@ class Learner:
             else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]).item()
         )
         self.engine.step()
+        self.optimizer_steps += 1
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
         local = {
@@ -215,6 +219,11 @@ class Learner:
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_success"] = 1.0
         return out
+
+    def _set_lr(self) -> None:
+        scale = min(1.0, (self.optimizer_steps + 1) / self.spec.warmup_steps) if self.spec.warmup_steps else 1.0
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = self.spec.lr * scale
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if self.world_size == 1:
@@ -240,7 +249,11 @@ class Learner:
         """Policy in Hugging Face format under `policy/`, optimizer and step state under
         `deepspeed/` (every rank takes part)."""
         out_dir = Path(out_dir)
-        self.engine.save_checkpoint(str(out_dir / "deepspeed"), tag="state", client_state={"steps_done": self.steps_done})
+        self.engine.save_checkpoint(
+            str(out_dir / "deepspeed"),
+            tag="state",
+            client_state={"steps_done": self.steps_done, "optimizer_steps": self.optimizer_steps},
+        )
         self.save_pretrained(out_dir / "policy")
 
     def load_checkpoint(self, out_dir: str | Path) -> None:
@@ -248,6 +261,7 @@ class Learner:
         if path is None:
             raise FileNotFoundError(f"no learner state in {out_dir}")
         self.steps_done = client["steps_done"]
+        self.optimizer_steps = client.get("optimizer_steps", 0)
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Hugging Face format (safetensors + tokenizer), written by rank 0."""

@@ -1,0 +1,67 @@
+"""Per-phase time per step and tokens/s of the tiny GRPO and PPO configs, side by side.
+
+    .venv/bin/python bench/phases.py [--steps 8]
+
+Runs both configs on one local Ray (real vLLM rollouts, DeepSpeed learner), skips the first
+step (engine warm-up), and prints a table of the mean seconds per step of each phase, its
+share of the step, and the generation throughput. Compare ratios, not absolute times: the
+machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+PHASES = ("generate", "reward", "reference", "value", "learn", "sync")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(preset: str, steps: int, out_dir: str) -> list[dict]:
+    from pipelines.config import load_config
+    from pipelines.trainer import train
+
+    cfg = load_config(
+        ROOT / "configs" / preset,
+        [f"training.steps={steps}", "training.save_every=0", "task.eval_problems=50", f"output_dir={out_dir}"],
+    )
+    train(cfg)
+    lines = (Path(out_dir) / cfg.name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines][1:]  # step 0 includes engine warm-up
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in rows) / max(1, len(rows))
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in ("grpo_tiny.yaml", "ppo_tiny.yaml"):
+            results[preset.removesuffix("_tiny.yaml")] = run(preset, args.steps, tmp)
+    ray.shutdown()
+
+    print(f"\nper-phase seconds per step (mean of steps 1..{args.steps - 1}), share of the step in brackets")
+    print(f"{'phase':<12}" + "".join(f"{name:>22}" for name in results))
+    for phase in PHASES:
+        cells = []
+        for rows in results.values():
+            t, total = mean(rows, f"time_{phase}"), mean(rows, "step_time")
+            cells.append(f"{t:10.3f} s ({t / total:5.1%})" if t else f"{'-':>18}")
+        print(f"{phase:<12}" + "".join(f"{c:>22}" for c in cells))
+    print(f"{'step':<12}" + "".join(f"{mean(r, 'step_time'):>20.3f} s" for r in results.values()))
+    print(f"{'tokens/s':<12}" + "".join(f"{mean(r, 'tokens_per_s'):>22.0f}" for r in results.values()))
+    g, p = (mean(r, "step_time") for r in results.values())
+    print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")
+
+
+if __name__ == "__main__":
+    main()
