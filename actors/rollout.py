@@ -12,21 +12,12 @@ from actors.common import limit_threads
 
 @ray.remote(max_restarts=0)
 class RolloutActor:
-    def __init__(
-        self,
-        model_dir: str,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        gpu_memory_fraction: float = 0.8,
-        threads: int = 2,
-    ):
+    def __init__(self, model_dir: str, threads: int = 2, **engine):
+        """`engine`: the `Generator`'s options (dtype, seed, max_model_len, gpu_memory_fraction)."""
         from actors.core.generator import Generator
 
         limit_threads(threads)
-        self.generator = Generator(
-            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, gpu_memory_fraction=gpu_memory_fraction
-        )
+        self.generator = Generator(model_dir, **engine)
 
     def generate(
         self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None = None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -132,22 +132,17 @@ class AlgoConfig(Strict):
     dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
 
-    @field_validator("advantage")
+    @field_validator("advantage", "policy_loss")
     @classmethod
-    def _known_advantage(cls, name: str) -> str:
+    def _registered(cls, name: str, info: ValidationInfo) -> str:
         from pipelines.advantages import ADVANTAGES
-
-        if name not in ADVANTAGES:
-            raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES.names())}")
-        return name
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _known_policy_loss(cls, name: str) -> str:
         from pipelines.losses import POLICY_LOSSES
 
-        if name not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(POLICY_LOSSES.names())}")
+        registry = ADVANTAGES if info.field_name == "advantage" else POLICY_LOSSES
+        try:
+            registry.get(name)
+        except KeyError as err:
+            raise ValueError(err.args[0]) from None
         return name
 
     @property

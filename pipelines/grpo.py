@@ -7,7 +7,7 @@ generate G samples per prompt -> reward -> reference log-probs -> group advantag
 from __future__ import annotations
 
 from pipelines.config import RaypoConfig
-from pipelines.steps import Phases, Roles, buffer_metrics, generate, policy_loss_spec, record_experience, sync_weights
+from pipelines.steps import Phases, Roles, buffer_metrics, policy_loss_spec, record_experience, rollout_and_score, sync_weights
 from pipelines.tasks import Problem
 
 
@@ -15,12 +15,7 @@ def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]
     import ray
 
     algo, phases = cfg.algo, Phases()
-    batch = generate(roles, cfg, problems, step)
-    phases.done("generate", batch)
-    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
-    phases.done("reward", scores)
-    ref = roles.reference.logprobs.remote(batch) if roles.reference else None
-    phases.done("reference", ref)
+    batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
     extra, stats = roles.remote_prepare.remote(batch, scores, ref, None, algo.advantage, algo.group_size, algo.gamma, algo.lam)
     stored = record_experience(roles, step, batch, extra)
     loss = policy_loss_spec(cfg, step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipelines.config import RaypoConfig
 from pipelines.schedules import gae_lambda
-from pipelines.steps import Phases, Roles, buffer_metrics, generate, policy_loss_spec, record_experience, sync_weights
+from pipelines.steps import Phases, Roles, buffer_metrics, policy_loss_spec, record_experience, rollout_and_score, sync_weights
 from pipelines.tasks import Problem
 
 
@@ -18,12 +18,7 @@ def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem])
     if roles.value is None:
         raise ValueError("PPO needs a critic: set algo.advantage=gae")
     algo, phases = cfg.algo, Phases()
-    batch = generate(roles, cfg, problems, step)
-    phases.done("generate", batch)
-    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
-    phases.done("reward", scores)
-    ref = roles.reference.logprobs.remote(batch) if roles.reference else None
-    phases.done("reference", ref)
+    batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
     values = roles.value.values.remote(batch)
     phases.done("value", values)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)

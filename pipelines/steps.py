@@ -61,7 +61,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
     rollouts = [
         RolloutActor.options(num_cpus=0.5, num_gpus=1 if res.use_gpu else 0, name=actor_name(cfg, f"rollout-{i}")).remote(
-            str(model_dir), cfg.model.dtype, cfg.seed + i, None, res.gpu_memory_fraction, threads
+            str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction
         )
         for i in range(res.num_rollout_workers)
     ]
@@ -137,6 +137,18 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
         for actor, idx in zip(roles.rollouts, chunks, strict=False)
     ]
     return parts[0] if len(parts) == 1 else roles.remote_concat.remote(*parts)
+
+
+def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem], phases: Phases):
+    """The phases every RL algorithm starts with: generate, reward, reference log-probs.
+    Returns refs to the batch, its rewards and its reference log-probs (None without KL)."""
+    batch = generate(roles, cfg, problems, step)
+    phases.done("generate", batch)
+    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
+    phases.done("reward", scores)
+    ref = roles.reference.logprobs.remote(batch) if roles.reference else None
+    phases.done("reference", ref)
+    return batch, scores, ref
 
 
 def policy_loss_spec(cfg: RaypoConfig, step: int):
