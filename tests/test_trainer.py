@@ -80,11 +80,12 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
     assert state["step"] == 5
 
 
-def test_ppo_run_trains_the_critic(local_ray, tiny_model, tmp_path):
-    cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3")
+def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
+    cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", "resource.num_rollout_workers=2")
     train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)
+    assert all(m["buffer_rows"] == 32 for m in lines)  # both actors' samples made one batch
     assert lines[-1]["value_mse"] < lines[0]["value_mse"], "the critic did not fit the returns"
     assert (tmp_path / "p" / "checkpoints" / "step_000003" / "critic" / "critic.safetensors").exists()
 
