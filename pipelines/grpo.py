@@ -7,7 +7,16 @@ generate G samples per prompt -> reward -> reference log-probs -> group advantag
 from __future__ import annotations
 
 from pipelines.config import RaypoConfig
-from pipelines.steps import Phases, Roles, buffer_metrics, policy_loss_spec, record_experience, rollout_and_score, sync_weights
+from pipelines.steps import (
+    Phases,
+    Roles,
+    buffer_metrics,
+    policy_loss_spec,
+    record_experience,
+    reward_floor,
+    rollout_and_score,
+    sync_weights,
+)
 from pipelines.tasks import Problem
 
 
@@ -16,7 +25,9 @@ def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]
 
     algo, phases = cfg.algo, Phases()
     batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
-    extra, stats = roles.remote_prepare.remote(batch, scores, ref, None, algo.advantage, algo.group_size, algo.gamma, algo.lam)
+    extra, stats = roles.remote_prepare.remote(
+        batch, scores, ref, None, algo.advantage, algo.group_size, algo.gamma, algo.lam, reward_floor(cfg)
+    )
     stored = record_experience(roles, step, batch, extra)
     loss = policy_loss_spec(cfg, step)
     learned = roles.learners.train_step(batch, extra, loss, cfg.training.minibatch_size, cfg.training.epochs)

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pipelines.config import RaypoConfig
 from pipelines.schedules import gae_lambda
-from pipelines.steps import Phases, Roles, buffer_metrics, policy_loss_spec, record_experience, rollout_and_score, sync_weights
+from pipelines.steps import (
+    Phases,
+    Roles,
+    buffer_metrics,
+    policy_loss_spec,
+    record_experience,
+    reward_floor,
+    rollout_and_score,
+    sync_weights,
+)
 from pipelines.tasks import Problem
 
 
@@ -22,7 +31,9 @@ def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem])
     values = roles.value.values.remote(batch)
     phases.done("value", values)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
-    extra, stats = roles.remote_prepare.remote(batch, scores, ref, values, algo.advantage, algo.group_size, algo.gamma, lam)
+    extra, stats = roles.remote_prepare.remote(
+        batch, scores, ref, values, algo.advantage, algo.group_size, algo.gamma, lam, reward_floor(cfg)
+    )
     critic = roles.value.train_step.remote(batch, extra, cfg.training.minibatch_size, cfg.training.epochs)
     stored = record_experience(roles, step, batch, extra)
     loss = policy_loss_spec(cfg, step)

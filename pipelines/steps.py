@@ -167,6 +167,11 @@ def policy_loss_spec(cfg: RaypoConfig, step: int):
     )
 
 
+def reward_floor(cfg: RaypoConfig) -> float:
+    """The lowest reward there is: -1 when rewards are normalised, else the range's low end."""
+    return -1.0 if cfg.reward.normalize else cfg.reward.value_range[0]
+
+
 def record_experience(roles: Roles, step: int, batch, extra):
     """Store the step's experience in the buffer (spilled to Parquet when configured); a ref to its size."""
     return roles.buffer.add.remote(step, batch, extra)
@@ -184,7 +189,9 @@ def sync_weights(roles: Roles, version: int) -> None:
     ray.get([r.update_weights.remote(weights, version) for r in roles.rollouts])
 
 
-def prepare_experience(batch, scores, ref_logprobs, values, advantage: str, group_size: int, gamma: float, lam: float):
+def prepare_experience(
+    batch, scores, ref_logprobs, values, advantage: str, group_size: int, gamma: float, lam: float, reward_floor: float
+):
     """Advantages (and returns, old values for a critic) of a rollout batch, plus summary stats.
     Runs as a Ray task next to the data, never in the driver."""
     import torch
@@ -214,6 +221,7 @@ def prepare_experience(batch, scores, ref_logprobs, values, advantage: str, grou
         "response_length": float(lengths.mean()),
         "response_tokens": int(lengths.sum()),
         "truncated_fraction": float(1.0 - batch["finished"].mean()),
+        "reward_all_zero": bool(np.all(scores <= reward_floor + 1e-6)),
     }
     return extra, stats
 

@@ -18,6 +18,8 @@ import torch
 
 from pipelines.losses import POLICY_LOSSES, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_aggregate
 
+STEP_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
+
 
 @dataclass(frozen=True)
 class LearnerSpec:
@@ -140,18 +142,16 @@ class Learner:
         self.engine.train()
         n = len(batch["response_ids"])
         order = np.random.default_rng(self.spec.seed + self.steps_done).permutation(n)
-        totals: dict[str, float] = {}
-        count = skipped = 0
-        for _ in range(epochs):
-            for start in range(0, n, minibatch_size):
-                rows = order[start : start + minibatch_size]
-                metrics = self._minibatch_step(batch, rows, loss)
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                count += 1
-                skipped += metrics["update_success"] == 0.0
+        results = [
+            self._minibatch_step(batch, order[start : start + minibatch_size], loss)
+            for _ in range(epochs)
+            for start in range(0, n, minibatch_size)
+        ]
         self.steps_done += 1
-        return {key: value / count for key, value in totals.items()} | {"skipped_updates": float(skipped)}
+        done = [r for r in results if r["update_success"]] or results  # skipped updates report no metrics
+        out = {key: sum(r[key] for r in done) / len(done) for key in done[0]}
+        out["update_success"] = sum(r["update_success"] for r in results) / len(results)
+        return out
 
     def _minibatch_step(self, batch: Mapping[str, np.ndarray], rows: np.ndarray, spec: LossSpec) -> dict[str, float]:
         whole_mask = torch.from_numpy(batch["response_mask"][rows])
@@ -190,7 +190,7 @@ class Learner:
         if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
             # A non-finite loss would poison the weights: skip this update, report it.
             self.engine.zero_grad()
-            return {"loss": float("nan"), "update_success": 0.0}
+            return dict.fromkeys(STEP_METRICS, float("nan")) | {"update_success": 0.0}
         self._set_lr()
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
@@ -212,10 +212,9 @@ class Learner:
             "clip_fraction": metrics["clip_fraction"],
             "approx_kl": metrics["approx_kl"],
         }
-        summed = self._sum_over_ranks(local)
-        # loss-like terms were scaled by world size per rank; per-rank ratios are averaged
-        out = {k: summed[k] / self.world_size for k in ("loss", "pg_loss", "entropy", "kl")}
-        out.update({k: summed[k] / self.world_size for k in ("clip_fraction", "approx_kl")})
+        # Losses: each rank holds world_size * (its token sum) / (batch tokens), so the mean over
+        # ranks is the whole batch's loss. Ratios (clip fraction, approx KL): the mean of the ranks'.
+        out = {k: v / self.world_size for k, v in self._sum_over_ranks(local).items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_success"] = 1.0
         return out
@@ -237,13 +236,15 @@ class Learner:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full weights as numpy (gathered from all ranks under ZeRO-3), Hugging Face names."""
+        import contextlib
+
+        gather = contextlib.nullcontext()
         if self.spec.zero_stage == 3:
             import deepspeed
 
-            params = list(self.model.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
-        return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+            gather = deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        with gather:
+            return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, out_dir: str | Path) -> None:
         """Policy in Hugging Face format under `policy/`, optimizer and step state under

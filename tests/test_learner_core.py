@@ -1,0 +1,42 @@
+"""The Learner core in one process (DeepSpeed, gloo): updates follow the advantages, and a
+non-finite loss is skipped without touching the weights."""
+
+import numpy as np
+import pytest
+
+from actors.core.learner import Learner, LearnerSpec, LossSpec
+
+pytestmark = pytest.mark.slow
+
+
+def _batch(n=8):
+    # The first half answers "45", the second half "67", to the same prompt "12+3=".
+    responses = [[25, 26, 2]] * (n // 2) + [[27, 28, 2]] * (n - n // 2)
+    return {
+        "prompt_ids": np.tile([[0, 1, 21, 22, 15, 23, 33]], (n, 1)),
+        "prompt_mask": np.tile([[0, 1, 1, 1, 1, 1, 1]], (n, 1)),
+        "response_ids": np.array(responses),
+        "response_mask": np.ones((n, 3), dtype=np.int64),
+    }
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model):
+    return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
+
+
+def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
+    batch = _batch()
+    before = learner.logprobs(batch)
+    adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
+    step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
+    metrics = learner.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
+    after = learner.logprobs(batch)
+    assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
+    assert (after - before)[:4].sum() > 0 > (after - before)[4:].sum()
+
+    weights = learner.state_dict()
+    poisoned = {**step, "behaviour_logprobs": after, "advantages": np.full_like(adv, np.nan, dtype=np.float32)}
+    metrics = learner.train_step(poisoned, LossSpec(), minibatch_size=8)
+    assert metrics["update_success"] == 0.0 and np.isnan(metrics["loss"])
+    assert all(np.array_equal(weights[k], v) for k, v in learner.state_dict().items())
