@@ -94,9 +94,15 @@ class Generator:
 
     def update_weights(self, state: Mapping[str, np.ndarray], version: int | None = None) -> int:
         """Load `state` (parameter name -> array, Hugging Face names) into the engine in place."""
+        import warnings
+
         import torch
 
-        tensors = [(name, torch.from_numpy(np.asarray(value))) for name, value in state.items()]
+        with warnings.catch_warnings():
+            # Arrays from the object store are read-only; vLLM copies them into its own
+            # parameters and never writes through these views.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = [(name, torch.from_numpy(np.asarray(value))) for name, value in state.items()]
 
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=iter(tensors))

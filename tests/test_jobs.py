@@ -1,0 +1,37 @@
+"""`raypo train` as a Ray Job: the same command connects to the cluster it is submitted to."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_train_runs_under_ray_job_submission(tiny_model, tmp_path, monkeypatch):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    context = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+    try:
+        client = JobSubmissionClient(f"http://{context.dashboard_url}")
+        entrypoint = (
+            f"{sys.executable} -m pipelines.cli train --set name=job --set training.steps=2 "
+            f"--set task.eval_problems=20 --set output_dir={tmp_path}"
+        )
+        job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+        deadline = time.monotonic() + 400
+        while client.get_job_status(job) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+            assert time.monotonic() < deadline, "job did not finish in time"
+            time.sleep(2)
+        logs = client.get_job_logs(job)
+        assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs[-3000:]
+        summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+        assert summary["steps"] == 2
+        assert "Started a local Ray instance" not in logs  # it joined this cluster instead
+    finally:
+        ray.shutdown()
