@@ -215,6 +215,7 @@ class MonitorConfig(Strict):
     reward_drop: float = Field(0.10, gt=0, description="warn when reward falls by more than this share ...")
     reward_drop_steps: int = Field(5, ge=1, description="... on this many consecutive steps")
     reward_window: int = Field(100, ge=1, description="steps in the reward trend window")
+    print_every: int = Field(10, ge=1, description="print each kind of alert at most once per this many steps")
 
 
 # ----------------------------------------------------------------------------- root

@@ -27,6 +27,7 @@ class Alerts:
         self.reward_span = reward_span
         self.window: deque[float] = deque(maxlen=cfg.reward_window)
         self.falling_streak = 0
+        self.last_printed: dict[str, int] = {}
 
     def check(self, m: dict) -> list[str]:
         cfg, alerts = self.cfg, []
@@ -49,6 +50,17 @@ class Alerts:
         if m.get("update_success", 1.0) < 1.0:
             alerts.append("non-finite loss: the update was skipped")
         return alerts
+
+    def to_print(self, step: int, alerts: list[str]) -> list[str]:
+        """The alerts worth a console line now: each kind at most once per `print_every` steps
+        (every alert still lands in the metrics)."""
+        out = []
+        for alert in alerts:
+            kind = " ".join(alert.split(" ", 2)[:2])  # "grad norm", "KL to", "reward fell", ...
+            if step - self.last_printed.get(kind, -(10**9)) >= self.cfg.print_every:
+                self.last_printed[kind] = step
+                out.append(alert)
+        return out
 
 
 class Sinks:

@@ -126,7 +126,7 @@ class Trainer:
                 problems = [next(stream) for _ in range(self.prompts_per_step)]
                 metrics = self._one_step(step, problems)
                 metrics["alerts"] = alerts.check(metrics)
-                for alert in metrics["alerts"]:
+                for alert in alerts.to_print(step, metrics["alerts"]):
                     bar.write(f"warning: step {step}: {alert}")
                 sinks.write(metrics)
                 if self.on_metrics:

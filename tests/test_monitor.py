@@ -40,3 +40,10 @@ def test_sinks_write_jsonl_tensorboard_and_plot_and_truncate_on_resume(tmp_path)
     assert [m["step"] for m in resumed.history] == [0, 1, 2, 3]
     resumed.close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_console_prints_each_kind_of_alert_at_most_once_per_ten_steps():
+    alerts = Alerts(MonitorConfig(print_every=10))
+    printed = [alerts.to_print(step, alerts.check(_m(step, kl=0.05))) for step in range(25)]
+    assert [step for step, lines in enumerate(printed) if lines] == [0, 10, 20]
+    assert alerts.to_print(25, ["grad norm 2.000 > 1.5"]) == ["grad norm 2.000 > 1.5"]  # another kind
