@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from pipelines.config import ConfigError, RaypoConfig, load_config
 
 
@@ -83,6 +85,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a checkpoint over the OpenAI API until interrupted."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from serve.app import ServeArgs, build_app
+
+    serve_args = ServeArgs(checkpoint=args.checkpoint, model_id=args.model_id, max_model_len=args.max_model_len)
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(serve_args), name="raypo", route_prefix="/")
+    print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -110,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model directory (default: the configured model)")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (Ray Serve)")
+    p.add_argument("--checkpoint", required=True, help="a Hugging Face model directory, e.g. runs/<name>/final")
+    p.add_argument("--model-id", default="raypo-policy", help="the model name clients pass")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("show-config", help="print the resolved config as YAML (validates it)")
     _add_config_args(p)
     p.set_defaults(func=cmd_show_config)
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, ValidationError) as err:
         print(f"raypo {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # TrainingError and friends: the message names the cause
