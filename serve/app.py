@@ -1,7 +1,8 @@
 """The Ray Serve application that exposes a trained policy over an OpenAI-compatible HTTP API.
 
 Built on Ray's own `ray.serve.llm` (a vLLM engine per replica behind Ray's OpenAI router):
-`/v1/completions`, `/v1/chat/completions` (streaming too) and `/v1/models`. `build_app(args)`
+`/v1/completions`, `/v1/chat/completions` (streaming too), `/v1/models`, and `/health`; an
+optional API key (serve/ingress.py). `build_app(args)`
 takes typed arguments, so `serve run serve.app:build_app checkpoint=...` and `raypo serve`
 build the same application.
 """
@@ -29,6 +30,7 @@ class ServeArgs(BaseModel):
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved for each replica's engine")
     use_gpu: bool = Field(False, description="one GPU per replica")
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="share of GPU memory vLLM may take")
+    api_key_file: str | None = Field(None, description="file holding the API key (RAYPO_API_KEY takes precedence)")
 
     @field_validator("checkpoint")
     @classmethod
@@ -72,7 +74,7 @@ def llm_config(args: ServeArgs):
 
 def build_app(args: dict | ServeArgs):
     """The OpenAI-compatible Serve application for `args` (a dict from YAML, or ServeArgs)."""
-    from ray.serve.llm import build_openai_app
+    from serve.ingress import build_ingress
 
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
-    return build_openai_app({"llm_configs": [llm_config(args)]})
+    return build_ingress([llm_config(args)], key_file=args.api_key_file)
