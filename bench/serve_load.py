@@ -90,11 +90,14 @@ async def load(base: str, model: str, requests: int, concurrency: int, deadline_
 
 
 def start_vllm(checkpoint: str, port: int) -> subprocess.Popen:
-    vllm = Path(sys.executable).parent / "vllm"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    # `vllm serve` is this module; the `vllm` script itself fails under the vllm-cpu
+    # distribution (it looks up package metadata named "vllm").
     cmd = [
-        str(vllm),
-        "serve",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         checkpoint,
         "--host",
         "127.0.0.1",
@@ -108,7 +111,8 @@ def start_vllm(checkpoint: str, port: int) -> subprocess.Popen:
         "128",
         "--enforce-eager",
     ]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"raypo-bench-vllm-{port}.log", "w")  # read it if vLLM fails
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def run_raypo(checkpoint: str, port: int, args) -> dict:
@@ -141,6 +145,9 @@ def run_vllm(checkpoint: str, port: int, args) -> dict:
 
 
 def main() -> None:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the table
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--requests", type=int, default=400)
