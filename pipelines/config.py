@@ -123,6 +123,7 @@ class AlgoConfig(Strict):
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     group_growth: float = Field(0.0, ge=0, description="group size grows by this share per round (seeds: 0.10)")
     group_size_max: int | None = Field(None, ge=1, description="cap on the grown group size")
+    group_growth_every: int = Field(100, ge=1, description="steps per round of group-size growth")
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
     value_clip: float = Field(0.5, gt=0, description="value clip range")
     entropy_coef: float = Field(0.01, ge=0, description="weight of the entropy bonus")

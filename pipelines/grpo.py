@@ -11,6 +11,7 @@ from pipelines.steps import (
     Phases,
     Roles,
     buffer_metrics,
+    group_size_at,
     policy_loss_spec,
     record_experience,
     reward_floor,
@@ -26,7 +27,7 @@ def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]
     algo, phases = cfg.algo, Phases()
     batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
     extra, stats = roles.remote_prepare.remote(
-        batch, scores, ref, None, algo.advantage, algo.group_size, algo.gamma, algo.lam, reward_floor(cfg)
+        batch, scores, ref, None, algo.advantage, group_size_at(cfg, step), algo.gamma, algo.lam, reward_floor(cfg)
     )
     stored = record_experience(roles, step, batch, extra)
     loss = policy_loss_spec(cfg, step)
@@ -34,4 +35,11 @@ def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]
     phases.done("learn")
     sync_weights(roles, step + 1)
     phases.done("sync")
-    return {**ray.get(stats), **buffer_metrics(ray.get(stored)), **learned, **phases.times, "clip_eps": loss.clip_low}
+    return {
+        "group_size": group_size_at(cfg, step),
+        **ray.get(stats),
+        **buffer_metrics(ray.get(stored)),
+        **learned,
+        **phases.times,
+        "clip_eps": loss.clip_low,
+    }

@@ -12,6 +12,7 @@ from pipelines.steps import (
     Phases,
     Roles,
     buffer_metrics,
+    group_size_at,
     policy_loss_spec,
     record_experience,
     reward_floor,
@@ -32,7 +33,7 @@ def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem])
     phases.done("value", values)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
     extra, stats = roles.remote_prepare.remote(
-        batch, scores, ref, values, algo.advantage, algo.group_size, algo.gamma, lam, reward_floor(cfg)
+        batch, scores, ref, values, algo.advantage, group_size_at(cfg, step), algo.gamma, lam, reward_floor(cfg)
     )
     critic = roles.value.train_step.remote(batch, extra, cfg.training.minibatch_size, cfg.training.epochs)
     stored = record_experience(roles, step, batch, extra)
@@ -43,6 +44,7 @@ def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem])
     sync_weights(roles, step + 1)
     phases.done("sync")
     return {
+        "group_size": group_size_at(cfg, step),
         **ray.get(stats),
         **buffer_metrics(ray.get(stored)),
         **learned,

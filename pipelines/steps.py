@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.config import RaypoConfig
-from pipelines.schedules import clip_eps
+from pipelines.schedules import clip_eps, group_size
 from pipelines.tasks import Problem
 
 
@@ -121,6 +121,18 @@ class Phases:
         self._last = now
 
 
+def group_size_at(cfg: RaypoConfig, step: int) -> int:
+    """Samples per prompt at `step`: the seeds' growth by `group_growth` per round of
+    `group_growth_every` steps from `group_size` (constant when the growth is 0)."""
+    algo = cfg.algo
+    return group_size(step // algo.group_growth_every, algo.group_size, algo.group_growth, algo.group_size_max)
+
+
+def prompts_at(cfg: RaypoConfig, step: int) -> int:
+    """Prompts per step: the batch's samples divided among groups of `group_size_at(step)`."""
+    return max(1, cfg.training.batch_size // group_size_at(cfg, step))
+
+
 def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int):
     """All prompts of the step, split over the rollout actors; one batch ref back."""
     chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
@@ -128,7 +140,7 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
     parts = [
         actor.generate.remote(
             [problems[i].prompt for i in idx],
-            cfg.algo.group_size,
+            group_size_at(cfg, step),
             inf.temperature,
             inf.top_p,
             inf.max_tokens,

@@ -21,7 +21,7 @@ from pipelines.grpo import grpo_step
 from pipelines.monitor import Alerts, Sinks
 from pipelines.ppo import ppo_step
 from pipelines.registry import Registry
-from pipelines.steps import Roles, build_roles, sync_weights
+from pipelines.steps import Roles, build_roles, prompts_at, sync_weights
 from pipelines.tasks import Problem, make_task
 
 MetricsCallback = Callable[[dict], None]
@@ -47,7 +47,6 @@ class Trainer:
         task_cfg = cfg.task.task
         self.task = make_task(task_cfg.name, **task_options(task_cfg))
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
-        self.prompts_per_step = max(1, cfg.training.batch_size // cfg.algo.group_size)
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
 
     # ------------------------------------------------------------------ evaluation
@@ -111,7 +110,7 @@ class Trainer:
         if "eval_accuracy_start" not in state:
             state["eval_accuracy_start"] = self.evaluate(self.eval_problems)
         stream = self.task.stream("train", cfg.seed)
-        for _ in range(start_step * self.prompts_per_step):  # the prompts earlier steps used
+        for _ in range(sum(prompts_at(cfg, s) for s in range(start_step))):  # the prompts earlier steps used
             next(stream)
         sinks = Sinks(self.out_dir, resume_step=start_step)
         alerts = Alerts(
@@ -123,7 +122,7 @@ class Trainer:
         step = start_step
         try:
             for step in range(start_step, cfg.training.steps):
-                problems = [next(stream) for _ in range(self.prompts_per_step)]
+                problems = [next(stream) for _ in range(prompts_at(cfg, step))]
                 metrics = self._one_step(step, problems)
                 metrics["alerts"] = alerts.check(metrics)
                 for alert in alerts.to_print(step, metrics["alerts"]):

@@ -28,3 +28,14 @@ def test_group_size_grows_ten_percent_per_round():
     assert group_size(3, start=8, growth=0.0) == 8
     with pytest.raises(ValueError):
         group_size(0, start=0)
+
+
+def test_group_size_at_a_step_follows_the_config():
+    from pipelines.config import load_config
+    from pipelines.steps import group_size_at, prompts_at
+
+    overrides = ["algo.group_growth=0.1", "algo.group_growth_every=100", "algo.group_size_max=10", "training.batch_size=128"]
+    cfg = load_config(None, overrides)
+    assert [group_size_at(cfg, s) for s in (0, 99, 100, 200, 5000)] == [8, 8, 9, 10, 10]
+    assert [prompts_at(cfg, s) for s in (0, 100, 200)] == [16, 14, 12]
+    assert group_size_at(load_config(None, []), 10**6) == 8  # no growth by default

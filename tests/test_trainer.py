@@ -36,13 +36,22 @@ def _cfg(tmp_path, preset, *overrides):
 
 def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_model, tmp_path):
     cfg = _cfg(
-        tmp_path, "grpo_tiny.yaml", "name=g", "training.steps=3", "training.save_every=2", "training.spill_experience=true"
+        tmp_path,
+        "grpo_tiny.yaml",
+        "name=g",
+        "training.steps=3",
+        "training.save_every=2",
+        "training.spill_experience=true",
+        "algo.group_growth=0.5",
+        "algo.group_growth_every=2",
     )
     seen = []
     summary = train(cfg, on_metrics=seen.append)
     run = tmp_path / "g"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and len(seen) == 3
+    # the seeds' group growth: 8 samples per prompt for two steps, then 12 (32 // 12 = 2 prompts)
+    assert [m["group_size"] for m in lines] == [8, 8, 12] and [m["buffer_rows"] for m in lines] == [32, 32, 24]
     for key in (
         "reward_mean",
         "reward_std",
