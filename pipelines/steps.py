@@ -179,6 +179,40 @@ def policy_loss_spec(cfg: RaypoConfig, step: int):
     )
 
 
+def prepare(roles: Roles, cfg: RaypoConfig, step: int, batch, scores, ref, values=None, lam: float | None = None):
+    """Refs to the step's advantages (plus returns for a critic) and its summary stats."""
+    algo = cfg.algo
+    return roles.remote_prepare.remote(
+        batch,
+        scores,
+        ref,
+        values,
+        algo.advantage,
+        group_size_at(cfg, step),
+        algo.gamma,
+        algo.lam if lam is None else lam,
+        reward_floor(cfg),
+    )
+
+
+def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, extra, stats, phases: Phases, side_updates=()) -> dict:
+    """The phases every RL algorithm ends with: store the experience, update the policy (while
+    `side_updates`, e.g. the critic's, run alongside), sync weights. Returns the step's metrics."""
+    import ray
+
+    stored = record_experience(roles, step, batch, extra)
+    loss = policy_loss_spec(cfg, step)
+    learned = roles.learners.train_step(batch, extra, loss, cfg.training.minibatch_size, cfg.training.epochs)
+    side_metrics = [ray.get(ref) for ref in side_updates]
+    phases.done("learn")
+    sync_weights(roles, step + 1)
+    phases.done("sync")
+    metrics = {"group_size": group_size_at(cfg, step), **ray.get(stats), **buffer_metrics(ray.get(stored)), **learned}
+    for extra_metrics in side_metrics:
+        metrics.update(extra_metrics)
+    return {**metrics, **phases.times, "clip_eps": loss.clip_low}
+
+
 def reward_floor(cfg: RaypoConfig) -> float:
     """The lowest reward there is: -1 when rewards are normalised, else the range's low end."""
     return -1.0 if cfg.reward.normalize else cfg.reward.value_range[0]
