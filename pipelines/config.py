@@ -28,7 +28,7 @@ class ArithmeticTaskConfig(Strict):
     name: Literal["arithmetic"] = "arithmetic"
     min_operand: int = Field(0, ge=0, description="smallest operand")
     max_operand: int = Field(99, ge=0, description="largest operand")
-    operators: str = Field("+-", description="operators to draw from, any of '+-*'")
+    operators: str = Field("+", description="operators to draw from, any of '+-*'")
 
 
 class ReverseTaskConfig(Strict):
@@ -56,10 +56,13 @@ class TinyModelConfig(Strict):
     num_heads: int = Field(4, ge=1, description="attention heads; head size must suit vLLM's CPU backend (32, 64, ...)")
     max_positions: int = Field(128, ge=16, description="context length in characters")
     sft_tasks: list[TaskConfig] = Field(
-        default_factory=lambda: [ArithmeticTaskConfig(), ReverseTaskConfig()],
+        default_factory=lambda: [ArithmeticTaskConfig()],
         description="tasks the warm start trains on; the first one is the one accuracy is reported for",
     )
-    sft_problems: int = Field(8000, ge=1, description="distinct train problems per task")
+    sft_problems: int = Field(7000, ge=1, description="distinct train problems per task")
+    sft_slip_share: float = Field(
+        0.6, ge=0, le=1, description="share of SFT answers replaced by the task's systematic slip (arithmetic: carries dropped)"
+    )
     sft_steps: int = Field(1500, ge=0, description="optimizer steps of the warm start")
     sft_batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     sft_lr: float = Field(3e-3, gt=0, description="peak learning rate of the warm start (cosine decay)")

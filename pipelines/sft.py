@@ -2,11 +2,19 @@
 
 A plain torch loop (AdamW, warmup + cosine), loss on the answer tokens only. RL learners use
 DeepSpeed; this loop only has to turn a random model into one that is right some of the time.
+
+The warm start's data is noisy on purpose, the way real SFT data is: in a share
+(`sft_slip_share`) of the examples the answer carries the task's typical systematic error
+(column addition with the carries dropped: `47+38=75`). With more than half of them slipped,
+greedy decoding makes the slip and sampling still finds the right answer often: a model
+that knows the skill but does not use it by default, which RL rewarded on exact answers can
+fix (and which no amount of further SFT on the same data would).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,13 +35,25 @@ def sft_problems(cfg: TinyModelConfig) -> tuple[list[Problem], list[Problem]]:
     return train, heldout
 
 
-def encode_examples(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids `[N, L]`, attention mask `[N, L]` and labels `[N, L]` for prompt + answer + eos,
+def sft_targets(problems: Sequence[Problem], slip_share: float, seed: int) -> list[str]:
+    """The answer each problem is trained on: its slip (a systematic error, e.g. a dropped
+    carry) for a seeded `slip_share` of the problems that have one, the right answer otherwise.
+
+    >>> from pipelines.tasks import Problem
+    >>> sft_targets([Problem("47+38=", "85", "75"), Problem("12+7=", "19", "19")], 1.0, 0)
+    ['75', '19']
+    """
+    rng = random.Random(f"sft-slips:{seed}")
+    return [p.slip if p.slip is not None and rng.random() < slip_share else p.answer for p in problems]
+
+
+def encode_examples(tokenizer, prompts: Sequence[str], targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids `[N, L]`, attention mask `[N, L]` and labels `[N, L]` for prompt + target + eos,
     right-padded; labels are IGNORE_INDEX on the prompt and the padding."""
-    prompts = tokenizer([p.prompt for p in problems])["input_ids"]  # starts with <bos>
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+    prompts = tokenizer(list(prompts))["input_ids"]  # starts with <bos>
+    answers = tokenizer(list(targets), add_special_tokens=False)["input_ids"]
     length = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers, strict=True))
-    ids = torch.full((len(problems), length), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(prompts), length), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     attention = torch.zeros_like(ids)
     for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
@@ -48,7 +68,8 @@ def sft_train(
     model, tokenizer, problems: Sequence[Problem], cfg: TinyModelConfig, log: Callable[[str], None] = print
 ) -> list[float]:
     """Train `model` in place for `cfg.sft_steps` steps; returns the loss of every step."""
-    ids, attention, labels = encode_examples(tokenizer, problems)
+    targets = sft_targets(problems, cfg.sft_slip_share, cfg.seed)
+    ids, attention, labels = encode_examples(tokenizer, [p.prompt for p in problems], targets)
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, cfg.sft_steps // 20)

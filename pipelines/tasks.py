@@ -22,6 +22,21 @@ HELDOUT_PERCENT = 20  # share of all problems that belong to the held-out split
 class Problem:
     prompt: str
     answer: str
+    slip: str | None = None  # the answer as a typical systematic error gives it (None: no such error)
+
+
+def add_without_carry(a: int, b: int) -> int:
+    """`a + b` with every carry dropped (each digit is the sum of its column mod 10): the
+    classic slip of column addition.
+
+    >>> add_without_carry(47, 38), add_without_carry(12, 7), add_without_carry(95, 5)
+    (75, 19, 90)
+    """
+    digits, place = 0, 1
+    while a or b:
+        digits += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return digits
 
 
 def _split_of(prompt: str) -> Split:
@@ -92,7 +107,8 @@ class Arithmetic(Task):
         a = rng.randint(self.min_operand, self.max_operand)
         b = rng.randint(self.min_operand, self.max_operand)
         op = rng.choice(self.operators)
-        return Problem(prompt=f"{a}{op}{b}=", answer=str(_OPERATORS[op](a, b)))
+        slip = str(add_without_carry(a, b)) if op == "+" else None
+        return Problem(prompt=f"{a}{op}{b}=", answer=str(_OPERATORS[op](a, b)), slip=slip)
 
 
 @TASKS.register("reverse")

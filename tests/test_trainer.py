@@ -89,6 +89,15 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
     assert state["step"] == 5
 
 
+def test_grpo_preset_corrects_the_warm_starts_slip_on_heldout_problems(local_ray, tiny_model, tmp_path):
+    """The main job, shortened: 20 GRPO steps of the default preset. The warm start drops
+    carries on most carry problems when greedy; RL rewarded on exact answers fixes that on
+    held-out problems. Measured (seed 0, 200 problems): 0.495 -> 0.955 in 20 steps."""
+    cfg = load_config(CONFIGS / "grpo_tiny.yaml", [f"output_dir={tmp_path}", "training.steps=20", "task.eval_problems=200"])
+    summary = train(cfg)
+    assert summary["eval_accuracy_end"] - summary["eval_accuracy_start"] >= 0.30, summary
+
+
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
     cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", "resource.num_rollout_workers=2")
     train(cfg)
