@@ -44,6 +44,12 @@ class LearnerActor:
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.learner.state_dict()
 
+    def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
+        return self.learner.open_weight_sync(host, port, world_size, backend)
+
+    def broadcast_weights(self) -> None:
+        self.learner.broadcast_weights()
+
     def save_pretrained(self, out_dir: str) -> None:
         self.learner.save_pretrained(out_dir)
 
@@ -84,6 +90,21 @@ class LearnerGroup:
         """A ref to the full weights; every rank takes part (ZeRO-3 gathers), rank 0's is used."""
         refs = [a.state_dict.remote() for a in self.actors]
         return refs[0]
+
+    def open_weight_sync(self, rollouts: list, backend: str) -> None:
+        """Form the weight-sync group: learner rank 0 and every rollout engine."""
+        host, port = ray.get(self.actors[0].address.remote())
+        world = 1 + len(rollouts)
+        learners = [a.open_weight_sync.remote(host, port, world, backend) for a in self.actors]
+        engines = [r.open_weight_sync.remote(host, port, i + 1, world, backend) for i, r in enumerate(rollouts)]
+        self.sync_layout = ray.get(learners)[0]
+        ray.get(engines)
+
+    def broadcast_weights(self, rollouts: list, version: int) -> None:
+        """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
+        sends = [a.broadcast_weights.remote() for a in self.actors]
+        loads = [r.receive_weights.remote(self.sync_layout, version) for r in rollouts]
+        ray.get(sends + loads)
 
     def save_pretrained(self, out_dir: str) -> None:
         ray.get([a.save_pretrained.remote(out_dir) for a in self.actors])

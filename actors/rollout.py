@@ -32,5 +32,13 @@ class RolloutActor:
         """Load new weights in place (object store on CPU); returns the weights version now served."""
         return self.generator.update_weights(state, version)
 
+    def open_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the learner's weight-sync group as `rank` (see actors/core/weight_sync.py)."""
+        self.generator.open_weight_sync(host, port, rank, world_size, backend)
+
+    def receive_weights(self, layout, version: int) -> int:
+        """Receive the weights learner rank 0 broadcasts now (NCCL on GPUs, gloo on CPU)."""
+        return self.generator.receive_weights(layout, version)
+
     def weights_version(self) -> int:
         return self.generator.weights_version

@@ -2,10 +2,11 @@
 
     .venv/bin/python bench/phases.py [--steps 8]
 
-Runs both configs on one local Ray (real vLLM rollouts, DeepSpeed learner), skips the first
-step (engine warm-up), and prints a table of the mean seconds per step of each phase, its
-share of the step, and the generation throughput. Compare ratios, not absolute times: the
-machine is shared and noisy.
+Runs both configs on one local Ray (real vLLM rollouts, DeepSpeed learner), and GRPO once
+more with the weights broadcast from learner rank 0 (gloo here, NCCL on GPUs) instead of
+passed through the object store; skips the first step (engine warm-up), and prints a table of
+the mean seconds per step of each phase, its share of the step, and the generation
+throughput. Compare ratios, not absolute times: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -19,13 +20,20 @@ PHASES = ("generate", "reward", "reference", "value", "learn", "sync")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(preset: str, steps: int, out_dir: str) -> list[dict]:
+RUNS = {  # column -> (preset, extra overrides)
+    "grpo": ("grpo_tiny.yaml", []),
+    "ppo": ("ppo_tiny.yaml", []),
+    "grpo/broadcast": ("grpo_tiny.yaml", ["resource.weight_sync=broadcast", "name=grpo_broadcast"]),
+}
+
+
+def run(preset: str, steps: int, out_dir: str, overrides: list[str]) -> list[dict]:
     from pipelines.config import load_config
     from pipelines.trainer import train
 
     cfg = load_config(
         ROOT / "configs" / preset,
-        [f"training.steps={steps}", "training.save_every=0", "task.eval_problems=50", f"output_dir={out_dir}"],
+        [f"training.steps={steps}", "training.save_every=0", "task.eval_problems=50", f"output_dir={out_dir}", *overrides],
     )
     train(cfg)
     lines = (Path(out_dir) / cfg.name / "metrics.jsonl").read_text().splitlines()
@@ -45,8 +53,8 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in ("grpo_tiny.yaml", "ppo_tiny.yaml"):
-            results[preset.removesuffix("_tiny.yaml")] = run(preset, args.steps, tmp)
+        for column, (preset, overrides) in RUNS.items():
+            results[column] = run(preset, args.steps, tmp, overrides)
     ray.shutdown()
 
     print(f"\nper-phase seconds per step (mean of steps 1..{args.steps - 1}), share of the step in brackets")
@@ -59,8 +67,10 @@ def main() -> None:
         print(f"{phase:<12}" + "".join(f"{c:>22}" for c in cells))
     print(f"{'step':<12}" + "".join(f"{mean(r, 'step_time'):>20.3f} s" for r in results.values()))
     print(f"{'tokens/s':<12}" + "".join(f"{mean(r, 'tokens_per_s'):>22.0f}" for r in results.values()))
-    g, p = (mean(r, "step_time") for r in results.values())
+    g, p = mean(results["grpo"], "step_time"), mean(results["ppo"], "step_time")
     print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")
+    store, cast = mean(results["grpo"], "time_sync"), mean(results["grpo/broadcast"], "time_sync")
+    print(f"weight sync, broadcast / object store = {cast / store:.2f}x")
 
 
 if __name__ == "__main__":

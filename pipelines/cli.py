@@ -86,7 +86,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve a checkpoint over the OpenAI API until interrupted."""
+    """Serve a checkpoint over the OpenAI API until interrupted, or operate on a running app."""
+    import ray
+
+    if args.action != "start":
+        from serve import ops
+
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+        try:
+            if args.action == "promote":
+                if not args.target:
+                    raise SystemExit("raypo serve promote needs a checkpoint: raypo serve promote runs/<name>/final")
+                table = ops.promote(args.target, front_app=args.app, ready_timeout_s=args.ready_timeout)
+            else:
+                table = ops.rollback(args.app) if args.action == "rollback" else ops.status(args.app)
+        except ops.ServeOpError as err:
+            print(f"raypo serve {args.action}: {err}", file=sys.stderr)
+            return 1
+        print(ops.format_status(table))
+        return 0
+    return _serve_forever(args)
+
+
+def _serve_forever(args: argparse.Namespace) -> int:
     import time
 
     import ray
@@ -94,10 +116,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from serve.app import ServeArgs, build_app
 
-    serve_args = ServeArgs(checkpoint=args.checkpoint, model_id=args.model_id, max_model_len=args.max_model_len)
+    if not args.checkpoint:
+        raise SystemExit("raypo serve needs --checkpoint (a model directory, e.g. runs/<name>/final)")
+    serve_args = ServeArgs(
+        checkpoint=args.checkpoint,
+        model_id=args.model_id,
+        max_model_len=args.max_model_len,
+        min_replicas=args.min_replicas,
+        max_replicas=max(args.max_replicas, args.min_replicas),
+    )
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(serve_args), name="raypo", route_prefix="/")
+    serve.run(build_app(serve_args), name=args.app, route_prefix="/")
     print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         while True:
@@ -134,8 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model directory (default: the configured model)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (Ray Serve)")
-    p.add_argument("--checkpoint", required=True, help="a Hugging Face model directory, e.g. runs/<name>/final")
+    p = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over an OpenAI-compatible HTTP API (Ray Serve); promote, rollback, status",
+        description="raypo serve --checkpoint DIR starts the app; `raypo serve promote DIR` brings DIR up beside the "
+        "live version and switches traffic after health checks; `raypo serve rollback`; `raypo serve status`.",
+    )
+    p.add_argument("action", nargs="?", default="start", choices=["start", "promote", "rollback", "status"])
+    p.add_argument("target", nargs="?", help="the checkpoint to promote")
+    p.add_argument("--checkpoint", help="a Hugging Face model directory, e.g. runs/<name>/final")
+    p.add_argument("--app", default="raypo", help="the Serve application name of the front app")
+    p.add_argument("--min-replicas", type=int, default=1, help="fewest engine replicas (autoscaling)")
+    p.add_argument("--max-replicas", type=int, default=1, help="most engine replicas (autoscaling on ongoing requests)")
+    p.add_argument("--ready-timeout", type=float, default=600, help="seconds a promoted version may take to come up")
     p.add_argument("--model-id", default="raypo-policy", help="the model name clients pass")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
     p.add_argument("--port", type=int, default=8000)

@@ -182,6 +182,11 @@ class ResourceConfig(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     cpus_per_learner: float = Field(1.0, gt=0, description="CPUs in each learner's placement bundle")
     accelerator_type: str | None = Field(None, description="e.g. A100: pins learners to such nodes")
+    weight_sync: Literal["auto", "object_store", "broadcast"] = Field(
+        "auto",
+        description="how new weights reach the rollout engines: object_store (learner -> Ray object store -> engines), "
+        "broadcast (a collective from learner rank 0: NCCL on GPUs, gloo on CPU); auto = broadcast on GPUs",
+    )
 
     @field_validator("cpu_affinity", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ class Roles:
     value: Any = None
     remote_prepare: Any = None
     remote_concat: Any = None
+    weight_sync: str = "object_store"  # or "broadcast" (a collective from learner rank 0)
 
     def shutdown(self) -> None:
         """End every actor of the run and free the learners' placement group."""
@@ -90,6 +91,9 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
         use_gpu=res.use_gpu,
     )
     learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
+    weight_sync = res.weight_sync if res.weight_sync != "auto" else "broadcast" if res.use_gpu else "object_store"
+    if weight_sync == "broadcast":
+        learners.open_weight_sync(rollouts, backend="nccl" if res.use_gpu else "gloo")
     return Roles(
         rollouts=rollouts,
         reward=reward,
@@ -99,6 +103,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
         value=value,
         remote_prepare=ray.remote(num_cpus=0.1, num_returns=2)(prepare_experience),
         remote_concat=ray.remote(num_cpus=0.1)(concat_batches),
+        weight_sync=weight_sync,
     )
 
 
@@ -228,9 +233,13 @@ def buffer_metrics(size: dict) -> dict:
 
 
 def sync_weights(roles: Roles, version: int) -> None:
-    """New learner weights -> every rollout engine (object store on CPU)."""
+    """New learner weights -> every rollout engine: a broadcast from learner rank 0 (NCCL on
+    GPUs, gloo on CPU), or through the object store."""
     import ray
 
+    if roles.weight_sync == "broadcast":
+        roles.learners.broadcast_weights(roles.rollouts, version)
+        return
     weights = roles.learners.state_dict_ref()
     ray.get([r.update_weights.remote(weights, version) for r in roles.rollouts])
 

@@ -1,8 +1,9 @@
 """The Ray Serve application that exposes a trained policy over an OpenAI-compatible HTTP API.
 
 Built on Ray's own `ray.serve.llm` (a vLLM engine per replica behind Ray's OpenAI router):
-`/v1/completions`, `/v1/chat/completions` (streaming too), `/v1/models`, and `/health`; an
-optional API key (serve/ingress.py). `build_app(args)`
+`/v1/completions`, `/v1/chat/completions` (streaming too), `/v1/models`, `/health` and
+`/versions`; an optional API key (serve/ingress.py); blue-green promotion with automatic
+rollback (serve/versions.py). `build_app(args)`
 takes typed arguments, so `serve run serve.app:build_app checkpoint=...` and `raypo serve`
 build the same application.
 """
@@ -13,6 +14,8 @@ import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from serve.versions import WatchConfig
 
 
 class ServeArgs(BaseModel):
@@ -26,11 +29,17 @@ class ServeArgs(BaseModel):
     max_replicas: int = Field(1, ge=1, description="most replicas")
     target_ongoing_requests: int = Field(16, ge=1, description="autoscaling target of in-flight requests per replica")
     max_ongoing_requests: int = Field(64, ge=1, description="requests a replica takes at once; more wait in Serve's queue")
+    upscale_delay_s: float = Field(30.0, ge=0, description="seconds of load above target before a replica is added")
     max_model_len: int | None = Field(None, ge=16, description="context length (default: the model's)")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved for each replica's engine")
     use_gpu: bool = Field(False, description="one GPU per replica")
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="share of GPU memory vLLM may take")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="requests that may wait at the ingress beyond what the engines take; more get 503 (-1: unbounded)"
+    )
+    max_constructor_retries: int = Field(3, ge=1, description="times Serve retries a replica whose engine fails to start")
     api_key_file: str | None = Field(None, description="file holding the API key (RAYPO_API_KEY takes precedence)")
+    watch: WatchConfig = Field(default_factory=WatchConfig, description="health checks, promotion gate and automatic rollback")
 
     @field_validator("checkpoint")
     @classmethod
@@ -66,15 +75,52 @@ def llm_config(args: ServeArgs):
                 "min_replicas": args.min_replicas,
                 "max_replicas": args.max_replicas,
                 "target_ongoing_requests": args.target_ongoing_requests,
+                "upscale_delay_s": args.upscale_delay_s,
             },
             "max_ongoing_requests": args.max_ongoing_requests,
+            "max_constructor_retry_count": args.max_constructor_retries,
         },
     )
 
 
+def version_app(args: ServeArgs):
+    """One policy version: an LLMServer deployment (its own application when promoted)."""
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    return build_llm_deployment(llm_config(args))
+
+
 def build_app(args: dict | ServeArgs):
-    """The OpenAI-compatible Serve application for `args` (a dict from YAML, or ServeArgs)."""
-    from serve.ingress import build_ingress
+    """The front application for `args` (a dict from YAML, or ServeArgs): the OpenAI ingress,
+    the version table, and the first version's LLMServer.
+
+    The ingress takes at most what the engines can (`max_replicas * max_ongoing_requests`)
+    and queues `max_queued_requests` more; beyond that Serve answers 503 at once.
+    """
+    from ray import serve
+    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    from serve.ingress import ingress_deployment
+    from serve.versions import Versions
 
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
-    return build_ingress([llm_config(args)], key_file=args.api_key_file)
+    config = llm_config(args)
+    options = maybe_apply_llm_deployment_config_defaults(OpenAiIngress.get_deployment_options([config]), None)
+    options["max_ongoing_requests"] = args.max_replicas * args.max_ongoing_requests
+    options["max_queued_requests"] = args.max_queued_requests
+    first = version_app(args)
+    versions = serve.deployment(Versions, name="Versions", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(
+        args=args.model_dump(mode="json"), first_deployment=first._bound_deployment.name
+    )
+    return (
+        ingress_deployment(args.api_key_file)
+        .options(**options)
+        .bind(
+            llm_deployments={args.model_id: first},
+            model_cards={args.model_id: to_model_metadata(args.model_id, config)},
+            lora_paths={},
+            versions=versions,
+        )
+    )

@@ -1,26 +1,25 @@
 """raypo's ingress: Ray's OpenAI router (ray.serve.llm) plus `/health` and an optional API key.
 
 Ray's `build_openai_app` takes no extra routes or middleware, so `build_ingress` wires the
-same pieces it does (one LLMServer deployment per model behind `OpenAiIngress`) around a
-subclass with a health route and a FastAPI app that checks `Authorization: Bearer <key>`.
+same pieces it does (an LLMServer deployment behind `OpenAiIngress`) around a subclass with
+`/health` and `/versions` routes, a FastAPI app that checks `Authorization: Bearer <key>`,
+and a `Versions` deployment (serve/versions.py) that says which policy version is live.
 The key is read inside the ingress replica, from RAYPO_API_KEY or from a file, so it never
 travels in a command line or a deployment config.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
+import time
 from pathlib import Path
 
-from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
-from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init, make_fastapi_ingress
-from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
 API_KEY_ENV = "RAYPO_API_KEY"
 HEALTH_TIMEOUT_S = 10.0
+LIVE_CACHE_S = 1.0  # how stale the ingress's idea of the live version may be
 
 
 def read_api_key(key_file: str | None) -> str | None:
@@ -60,26 +59,66 @@ def make_fastapi_app(key_file: str | None):
 
 
 class RaypoIngress(OpenAiIngress):
+    """Ray's OpenAI router that sends the public model id to the live policy version."""
+
+    def __init__(self, *args, versions=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._versions = versions
+        self._live: dict | None = None
+        self._live_read_at = 0.0
+        self._version_handles: dict[str, object] = {}
+
+    async def _refresh_live(self) -> None:
+        if self._versions is not None and time.monotonic() - self._live_read_at > LIVE_CACHE_S:
+            self._live = await self._versions.live.remote()
+            self._live_read_at = time.monotonic()
+
+    def _live_handle(self):
+        from ray import serve
+
+        live = self._live
+        if live["name"] not in self._version_handles:
+            handle = serve.get_deployment_handle(live["deployment"], app_name=live["app"])
+            self._version_handles[live["name"]] = handle.options(stream=True)
+        return self._version_handles[live["name"]]
+
+    async def _get_model_id(self, model):
+        model_id = await super()._get_model_id(model)
+        await self._refresh_live()
+        return model_id
+
+    def _get_configured_serve_handle(self, model_id: str):
+        if self._live is not None and model_id in self._default_serve_handles:
+            return self._live_handle()
+        return super()._get_configured_serve_handle(model_id)
+
     async def health(self):
-        """200 when every model's engine answers its health check in time, else 503."""
+        """200 when the live version's engine answers a health check and a prompt in time, else 503."""
         from fastapi.responses import JSONResponse
 
-        try:
-            for handle in self._default_serve_handles.values():
-                await asyncio.wait_for(handle.check_health.remote(), timeout=HEALTH_TIMEOUT_S)
-        except Exception as err:  # any failure to answer is unhealthy
-            return openai_error(503, f"model not answering: {type(err).__name__}: {err}", "service_unavailable")
-        return JSONResponse({"status": "ok", "models": sorted(self._model_cards)})
+        from serve.versions import probe
+
+        await self._refresh_live()
+        handles = [self._live_handle()] if self._live else list(self._default_serve_handles.values())
+        for handle in handles:
+            problem = await probe(handle, next(iter(self._model_cards)), HEALTH_TIMEOUT_S)
+            if problem:
+                return openai_error(503, f"model not answering: {problem}", "service_unavailable")
+        return JSONResponse({"status": "ok", "models": sorted(self._model_cards), "version": (self._live or {}).get("name")})
+
+    async def versions(self):
+        """The version table: live, previous, failed and rolled-back versions, recent events."""
+        return await self._versions.status.remote()
 
 
-def build_ingress(llm_configs: list, key_file: str | None = None):
+def ingress_deployment(key_file: str | None):
+    """The ingress class as a Serve deployment (routes, key check), options still to set."""
     from ray import serve
 
-    endpoints = {**DEFAULT_ENDPOINTS, "health": lambda app: app.get("/health")}
+    endpoints = {
+        **DEFAULT_ENDPOINTS,
+        "health": lambda app: app.get("/health"),
+        "versions": lambda app: app.get("/versions"),
+    }
     ingress_cls = make_fastapi_ingress(RaypoIngress, endpoint_map=endpoints, app=make_fastapi_app(key_file))
-    options = maybe_apply_llm_deployment_config_defaults(OpenAiIngress.get_deployment_options(llm_configs), None)
-    return serve.deployment(ingress_cls, **options).bind(
-        llm_deployments={c.model_id: build_llm_deployment(c) for c in llm_configs},
-        model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in llm_configs},
-        lora_paths={},
-    )
+    return serve.deployment(ingress_cls, name="RaypoIngress")

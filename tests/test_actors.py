@@ -97,6 +97,35 @@ def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tin
     group.shutdown()
 
 
+def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray, tiny_model, batch_ref):
+    """The collective path (NCCL on GPUs) run with gloo: learner rank 0 of a 2-rank ZeRO-3
+    world broadcasts gathered weights; both engines then answer as the learner's model does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.evaluate import greedy_complete
+
+    engines = [RolloutActor.options(num_cpus=0.1).remote(str(tiny_model[0])) for _ in range(2)]
+    group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), 2, 0.5)
+    group.open_weight_sync(engines, backend="gloo")
+    batch = ray.get(batch_ref)
+    extra = _with_advantages(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
+    for _ in range(3):
+        group.train_step(batch_ref, extra, LossSpec(), minibatch_size=16, epochs=1)
+    group.broadcast_weights(engines, version=3)
+    trained = ray.get(group.state_dict_ref())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model[0])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    assert any(not torch.equal(start[k], torch.from_numpy(v)) for k, v in trained.items()), "weights did not move"
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in trained.items()})
+    prompts = [p.prompt for p in Arithmetic().sample(32, "heldout", seed=12)]
+    expected = greedy_complete(model, AutoTokenizer.from_pretrained(tiny_model[0]), prompts, 8)
+    assert ray.get([e.weights_version.remote() for e in engines]) == [3, 3]
+    assert ray.get([e.greedy.remote(prompts, 8) for e in engines]) == [expected, expected]
+    group.shutdown()
+    for engine in engines:
+        ray.kill(engine)
+
+
 def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray, tiny_model, batch_ref):
     batch = ray.get(batch_ref)
     scores = (np.arange(len(batch["response_ids"])) % 3 == 0).astype(np.float32)

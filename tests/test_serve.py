@@ -39,6 +39,20 @@ def trained_checkpoint(tiny_model, tmp_path_factory):
 
 
 API_KEY = "test-key-not-secret"
+METRICS_PORT = _free_port()
+# Small queues so overload is reachable; quick health checks so a rollback happens in seconds.
+SERVER_ARGS = {
+    "max_model_len": 128,
+    "max_ongoing_requests": 4,
+    "max_queued_requests": 4,
+    "max_constructor_retries": 1,
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 5.0,
+    "cpus_per_replica": 1.0,
+    "watch": {"check_interval_s": 1.0, "check_timeout_s": 5.0, "failures_to_rollback": 5, "gate_checks": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +61,10 @@ def server(trained_checkpoint):
 
     port = _free_port()
     os.environ["RAYPO_API_KEY"] = API_KEY  # read by the ingress replica, which inherits it from this process
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # logical CPUs: each engine replica asks for 2 (its actor and its placement bundle)
+    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"checkpoint": trained_checkpoint, "max_model_len": 128}), name="raypo", route_prefix="/")
+    serve.run(build_app(SERVER_ARGS | {"checkpoint": trained_checkpoint}), name="raypo", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -106,7 +121,8 @@ def test_serve_config_yaml_matches_serves_schema_and_the_app_args():
 
 
 def test_health_is_open_and_everything_else_needs_the_key(server):
-    assert _request(f"{server}/health", key=None) == (200, {"status": "ok", "models": ["raypo-policy"]})
+    status, health = _request(f"{server}/health", key=None)
+    assert (status, health["status"], health["models"]) == (200, "ok", ["raypo-policy"])
     for key in (None, "wrong"):
         status, body = _request(f"{server}/v1/models", key=key)
         assert status == 401 and body["error"]["type"] == "invalid_request_error"
@@ -133,3 +149,136 @@ def test_bad_requests_get_openai_style_4xx_and_the_server_keeps_answering(server
     assert got == status and error["error"]["message"]
     ok, answer = _request(f"{server}/v1/completions", body=GOOD)
     assert ok == 200 and answer["choices"][0]["text"]
+
+
+def test_overload_gets_503_at_once_not_a_hang(server):
+    """8 requests run (2 replicas x 4), 4 wait; the rest of 40 concurrent long requests get 503."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {**GOOD, "max_tokens": 100, "ignore_eos": True}
+    started = time.monotonic()
+    with ThreadPoolExecutor(40) as pool:
+        statuses = [status for status, _ in pool.map(lambda _: _request_any(f"{server}/v1/completions", body), range(40))]
+    assert time.monotonic() - started < 120, "overloaded requests must be answered, not left hanging"
+    assert statuses.count(503) >= 20 and statuses.count(200) >= 8, statuses
+    assert set(statuses) <= {200, 503}, statuses
+    assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
+
+
+def _request_any(url, body):
+    """Like _request, for responses whose body may not be JSON (Serve's own 503)."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=120) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _running_replicas(app: str = "raypo") -> int:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    llm = next(d for name, d in deployments.items() if name.startswith("LLMServer"))
+    return llm.replica_states.get("RUNNING", 0)
+
+
+def test_autoscaling_adds_a_replica_under_sustained_load(server):
+    """min 1, max 2 replicas, target 2 ongoing requests each: 6 clients that never stop
+    make Serve start the second engine."""
+    import threading
+    import time
+
+    assert _running_replicas() == 1
+    stop = threading.Event()
+    body = {**GOOD, "max_tokens": 60, "ignore_eos": True}
+
+    def client():
+        while not stop.is_set():
+            _request_any(f"{server}/v1/completions", body)
+
+    clients = [threading.Thread(target=client) for _ in range(6)]
+    for thread in clients:
+        thread.start()
+    deadline = time.monotonic() + 240
+    try:
+        while _running_replicas() < 2 and time.monotonic() < deadline:
+            time.sleep(2)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join()
+    assert _running_replicas() == 2
+
+
+def _broken_copy(checkpoint: str, dest: Path) -> str:
+    """The checkpoint with one layer too many in config.json: it passes the static checks
+    (config.json, safetensors) and fails when the engine loads it."""
+    import shutil
+
+    shutil.copytree(checkpoint, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (dest / "config.json").write_text(json.dumps(config))
+    return str(dest)
+
+
+def _kill_replicas_of(app: str) -> int:
+    """Kill every Serve replica actor of `app` (named SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"::{app}#" in a["name"]]
+    for actor in named:
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+    return len(named)
+
+
+def test_promote_gates_on_health_and_rolls_back_after_5_failed_checks(server, trained_checkpoint, tmp_path):
+    import time
+
+    from serve import ops
+
+    # A checkpoint whose engine cannot load never takes traffic.
+    with pytest.raises(ops.ServeOpError, match="v2 did not take traffic.*v1 stays live"):
+        ops.promote(_broken_copy(trained_checkpoint, tmp_path / "broken"), ready_timeout_s=300)
+    table = ops.status()
+    assert table["live"] == "v1" and {r["name"]: r["state"] for r in table["versions"]}["v2"] == "failed"
+    assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
+
+    # A good one comes up beside v1, passes the gate and takes traffic; v1 is kept.
+    table = ops.promote(trained_checkpoint, ready_timeout_s=300)
+    assert table["live"] == "v3"
+    assert {r["name"]: r["state"] for r in table["versions"]} == {"v1": "previous", "v2": "failed", "v3": "live"}
+    status, health = _request(f"{server}/health", key=None)
+    assert status == 200 and health["version"] == "v3"
+    assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
+
+    # v3's engine dies: it fails its checks while Serve restarts it, and after 5 in a row
+    # traffic goes back to v1 by itself.
+    assert _kill_replicas_of("raypo-v3") >= 1
+    deadline = time.monotonic() + 120
+    while ops.status()["live"] != "v1" and time.monotonic() < deadline:
+        time.sleep(1)
+    table = ops.status()
+    states = {r["name"]: r["state"] for r in table["versions"]}
+    assert table["live"] == "v1" and states["v3"] == "rolled_back", table
+    assert "5 failed health checks in a row" in next(r for r in table["versions"] if r["name"] == "v3")["reason"]
+    assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
+    status, listing = _request(f"{server}/versions")
+    assert status == 200 and listing["live"] == "v1"
+    text = ops.format_status(table)
+    assert "rolled_back" in text and "v3" in text
+
+
+def test_prometheus_metrics_include_serve_and_rollback_counters(server):
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        if ("ray_serve_num_http_requests" in text and "raypo_serve_live_version" in text) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert "ray_serve_num_http_requests" in text
+    assert "raypo_serve_live_version" in text

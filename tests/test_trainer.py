@@ -99,7 +99,8 @@ def test_grpo_preset_corrects_the_warm_starts_slip_on_heldout_problems(local_ray
 
 
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
-    cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", "resource.num_rollout_workers=2")
+    two_engines = ["resource.num_rollout_workers=2", "resource.weight_sync=broadcast"]  # weights by gloo broadcast
+    cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", *two_engines)
     train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)

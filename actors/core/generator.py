@@ -92,6 +92,34 @@ class Generator:
 
         return greedy(self.llm, prompts, max_tokens)
 
+    def open_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the learner's weight-sync group (actors/core/weight_sync.py) inside the engine's
+        worker, where the model lives, so received tensors land on its device directly."""
+
+        def join(worker):
+            from actors.core.weight_sync import open_group
+
+            worker.raypo_weight_group = open_group(host, port, rank, world_size, backend)
+
+        self.llm.collective_rpc(join)
+
+    def receive_weights(self, layout, version: int | None = None) -> int:
+        """Receive the weights learner rank 0 broadcasts now, and load them in place."""
+
+        def load(worker):
+            from actors.core.weight_sync import receive
+
+            tensors = receive(worker.raypo_weight_group, layout, getattr(worker, "device", "cpu"))
+            worker.model_runner.reload_weights(weights_iterator=tensors)
+
+        self.llm.collective_rpc(load)
+        return self._weights_loaded(version)
+
+    def _weights_loaded(self, version: int | None) -> int:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.weights_version = self.weights_version + 1 if version is None else version
+        return self.weights_version
+
     def update_weights(self, state: Mapping[str, np.ndarray], version: int | None = None) -> int:
         """Load `state` (parameter name -> array, Hugging Face names) into the engine in place."""
         import warnings
@@ -108,6 +136,4 @@ class Generator:
             worker.model_runner.reload_weights(weights_iterator=iter(tensors))
 
         self.llm.collective_rpc(reload)
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.weights_version = self.weights_version + 1 if version is None else version
-        return self.weights_version
+        return self._weights_loaded(version)

@@ -8,6 +8,7 @@ world's update equals one learner's update on the whole batch, whatever the worl
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -234,17 +235,39 @@ class Learner:
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Full weights as numpy (gathered from all ranks under ZeRO-3), Hugging Face names."""
-        import contextlib
-
+    @contextlib.contextmanager
+    def _full_weights(self):
+        """The model's full state dict (gathered from all ranks under ZeRO-3: every rank must enter)."""
         gather = contextlib.nullcontext()
         if self.spec.zero_stage == 3:
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
-        with gather:
-            return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+        with gather, torch.no_grad():
+            yield self.model.state_dict()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full weights as numpy, Hugging Face names."""
+        with self._full_weights() as state:
+            return {k: v.detach().float().numpy().copy() for k, v in state.items()}
+
+    def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
+        """Rank 0 hosts the weight-sync group (see actors/core/weight_sync.py); returns its layout."""
+        from actors.core.weight_sync import layout_of, open_group
+
+        with self._full_weights() as state:
+            layout = layout_of(state)
+        if self.rank == 0:
+            self.sync_group = open_group(host, port, 0, world_size, backend)
+        return layout
+
+    def broadcast_weights(self) -> None:
+        """Every rank takes part (ZeRO-3 gathers the full weights); rank 0 sends them."""
+        from actors.core.weight_sync import send
+
+        with self._full_weights() as state:
+            if self.rank == 0:
+                send(self.sync_group, state)
 
     def save_checkpoint(self, out_dir: str | Path) -> None:
         """Policy in Hugging Face format under `policy/`, optimizer and step state under
