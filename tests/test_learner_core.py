@@ -40,3 +40,21 @@ def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
     metrics = learner.train_step(poisoned, LossSpec(), minibatch_size=8)
     assert metrics["update_success"] == 0.0 and np.isnan(metrics["loss"])
     assert all(np.array_equal(weights[k], v) for k, v in learner.state_dict().items())
+
+
+def test_bf16_with_gradient_checkpointing_trains(learner, tiny_model):
+    """The options a GPU run turns on, on CPU: bf16 weights under DeepSpeed's bf16 mode and
+    recomputed activations. The update runs and follows the advantages."""
+    import torch
+
+    spec = LearnerSpec(str(tiny_model[0]), lr=1e-3, bf16=True, gradient_checkpointing=True)
+    half = Learner(spec, master_port=29611)  # joins the module's one-rank gloo world
+    assert next(half.model.parameters()).dtype == torch.bfloat16 and half.model.is_gradient_checkpointing
+    batch = _batch()
+    before = half.logprobs(batch)
+    adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
+    step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
+    metrics = half.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
+    after = half.logprobs(batch)
+    assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
+    assert (after - before)[:4].sum() > (after - before)[4:].sum()
