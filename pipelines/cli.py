@@ -92,7 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.action != "start":
         from serve import ops
 
-        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+        try:
+            ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+        except ConnectionError as err:
+            print(f"raypo serve {args.action}: no running Ray cluster to talk to ({err})", file=sys.stderr)
+            return 1
         try:
             if args.action == "promote":
                 if not args.target:
