@@ -20,23 +20,29 @@ def _batch(n=8):
     }
 
 
+def _update_towards_first_half(learner):
+    """One update with advantage +1 on the first half of `_batch()`, -1 on the second; returns
+    the step fed in, its metrics, and the change of each row's log-probs."""
+    batch = _batch()
+    before = learner.logprobs(batch)
+    adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
+    step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
+    metrics = learner.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
+    return step, metrics, learner.logprobs(batch) - before
+
+
 @pytest.fixture(scope="module")
 def learner(tiny_model):
     return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
 
 
 def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
-    batch = _batch()
-    before = learner.logprobs(batch)
-    adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
-    step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
-    metrics = learner.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
-    after = learner.logprobs(batch)
+    step, metrics, change = _update_towards_first_half(learner)
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
-    assert (after - before)[:4].sum() > 0 > (after - before)[4:].sum()
+    assert change[:4].sum() > 0 > change[4:].sum()
 
     weights = learner.state_dict()
-    poisoned = {**step, "behaviour_logprobs": after, "advantages": np.full_like(adv, np.nan, dtype=np.float32)}
+    poisoned = {**step, "advantages": np.full_like(step["advantages"], np.nan)}
     metrics = learner.train_step(poisoned, LossSpec(), minibatch_size=8)
     assert metrics["update_success"] == 0.0 and np.isnan(metrics["loss"])
     assert all(np.array_equal(weights[k], v) for k, v in learner.state_dict().items())
@@ -50,11 +56,6 @@ def test_bf16_with_gradient_checkpointing_trains(learner, tiny_model):
     spec = LearnerSpec(str(tiny_model[0]), lr=1e-3, bf16=True, gradient_checkpointing=True)
     half = Learner(spec, master_port=29611)  # joins the module's one-rank gloo world
     assert next(half.model.parameters()).dtype == torch.bfloat16 and half.model.is_gradient_checkpointing
-    batch = _batch()
-    before = half.logprobs(batch)
-    adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
-    step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
-    metrics = half.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
-    after = half.logprobs(batch)
+    _, metrics, change = _update_towards_first_half(half)
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
-    assert (after - before)[:4].sum() > (after - before)[4:].sum()
+    assert change[:4].sum() > change[4:].sum()
