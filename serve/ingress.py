@@ -61,35 +61,30 @@ def make_fastapi_app(key_file: str | None):
 class RaypoIngress(OpenAiIngress):
     """Ray's OpenAI router that sends the public model id to the live policy version."""
 
-    def __init__(self, *args, versions=None, **kwargs):
+    def __init__(self, *args, versions, **kwargs):
         super().__init__(*args, **kwargs)
-        self._versions = versions
+        self._versions = versions  # handle to the Versions deployment (serve/versions.py)
         self._live: dict | None = None
         self._live_read_at = 0.0
-        self._version_handles: dict[str, object] = {}
 
     async def _refresh_live(self) -> None:
-        if self._versions is not None and time.monotonic() - self._live_read_at > LIVE_CACHE_S:
+        if time.monotonic() - self._live_read_at > LIVE_CACHE_S:
             self._live = await self._versions.live.remote()
             self._live_read_at = time.monotonic()
 
-    def _live_handle(self):
-        from ray import serve
+    def _live_handles(self):
+        from serve.versions import version_handles
 
-        live = self._live
-        if live["name"] not in self._version_handles:
-            handle = serve.get_deployment_handle(live["deployment"], app_name=live["app"])
-            self._version_handles[live["name"]] = handle.options(stream=True)
-        return self._version_handles[live["name"]]
+        return version_handles(self._live["deployment"], self._live["app"])
 
     async def _get_model_id(self, model):
         model_id = await super()._get_model_id(model)
-        await self._refresh_live()
+        await self._refresh_live()  # every request asks for its model id before its handle
         return model_id
 
     def _get_configured_serve_handle(self, model_id: str):
-        if self._live is not None and model_id in self._default_serve_handles:
-            return self._live_handle()
+        if model_id in self._default_serve_handles:
+            return self._live_handles().stream
         return super()._get_configured_serve_handle(model_id)
 
     async def health(self):
@@ -99,12 +94,10 @@ class RaypoIngress(OpenAiIngress):
         from serve.versions import probe
 
         await self._refresh_live()
-        handles = [self._live_handle()] if self._live else list(self._default_serve_handles.values())
-        for handle in handles:
-            problem = await probe(handle, next(iter(self._model_cards)), HEALTH_TIMEOUT_S)
-            if problem:
-                return openai_error(503, f"model not answering: {problem}", "service_unavailable")
-        return JSONResponse({"status": "ok", "models": sorted(self._model_cards), "version": (self._live or {}).get("name")})
+        problem = await probe(self._live_handles(), next(iter(self._model_cards)), HEALTH_TIMEOUT_S)
+        if problem:
+            return openai_error(503, f"model not answering: {problem}", "service_unavailable")
+        return JSONResponse({"status": "ok", "models": sorted(self._model_cards), "version": self._live["name"]})
 
     async def versions(self):
         """The version table: live, previous, failed and rolled-back versions, recent events."""

@@ -15,8 +15,10 @@ itself. The ingress reads which version is live from here (cached for a second).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import Literal
+from collections import deque
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -42,14 +44,29 @@ class WatchConfig(BaseModel):
     gate_checks: int = Field(3, ge=1, description="checks in a row a candidate must pass before it takes traffic")
 
 
-async def probe(handle, model_id: str, timeout_s: float) -> str | None:
-    """None when the LLMServer behind `handle` is healthy and completes a prompt, else why not."""
+class VersionHandles(NamedTuple):
+    plain: object  # DeploymentHandle, for unary calls (check_health)
+    stream: object  # the same deployment with stream=True, as OpenAI requests are sent
+
+
+@functools.cache
+def version_handles(deployment: str, app: str) -> VersionHandles:
+    """Handles to one version's LLMServer, made once per process: each `.options()` call makes a
+    new handle with its own metrics pusher and long poll, so none is made per request or check."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    return VersionHandles(handle, handle.options(stream=True))
+
+
+async def probe(handles: VersionHandles, model_id: str, timeout_s: float) -> str | None:
+    """None when the LLMServer behind `handles` is healthy and completes a prompt, else why not."""
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 
     async def check():
-        await handle.options(stream=False).check_health.remote()
+        await handles.plain.check_health.remote()
         request = CompletionRequest(model=model_id, prompt=PROBE_PROMPT, max_tokens=1, temperature=0.0)
-        async for chunk in handle.options(stream=True).completions.remote(request, None):
+        async for chunk in handles.stream.completions.remote(request, None):
             first = chunk[0] if isinstance(chunk, list) else chunk
             if isinstance(first, ErrorResponse):
                 raise RuntimeError(first.error.message)
@@ -79,8 +96,7 @@ class Versions:
             name="v1", checkpoint=args["checkpoint"], app=self.app_name, deployment=first_deployment, state="live"
         )
         self.records: dict[str, VersionRecord] = {first.name: first}
-        self.handles: dict[str, object] = {}
-        self.events: list[str] = []
+        self.events: deque[str] = deque(maxlen=50)
         self.rollbacks = Counter("raypo_serve_rollbacks", description="automatic and manual rollbacks of the policy version")
         self.failed_checks = Counter("raypo_serve_failed_checks", description="failed health checks of the live version")
         self.live_gauge = Gauge("raypo_serve_live_version", description="number of the live policy version (v<N>)")
@@ -99,27 +115,21 @@ class Versions:
         return {
             "live": self._named("live").name,
             "versions": [r.model_dump() for r in self.records.values()],
-            "events": self.events[-50:],
+            "events": list(self.events),
             "watch": self.watch.model_dump(),
         }
 
     async def candidate(self) -> dict:
         """The next version's name and the serve arguments it should run with (less the checkpoint)."""
-        return {"name": f"v{len(self.records) + 1}", "front_app": self.app_name, "args": self.args}
+        return {"name": f"v{len(self.records) + 1}", "args": self.args}
 
     # -------------------------------------------------------------- changes
     def _log(self, message: str) -> None:
         self.events.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}")
 
-    def _handle(self, record: VersionRecord):
-        from ray import serve
-
-        if record.name not in self.handles:
-            self.handles[record.name] = serve.get_deployment_handle(record.deployment, app_name=record.app)
-        return self.handles[record.name]
-
     async def check(self, name: str) -> str | None:
-        return await probe(self._handle(self.records[name]), self.model_id, self.watch.check_timeout_s)
+        record = self.records[name]
+        return await probe(version_handles(record.deployment, record.app), self.model_id, self.watch.check_timeout_s)
 
     async def record_failed(self, name: str, checkpoint: str, reason: str) -> dict:
         """Note a candidate that never came up (its deployment failed); traffic is untouched."""

@@ -71,14 +71,14 @@ def server(trained_checkpoint):
     del os.environ["RAYPO_API_KEY"]
 
 
-def _request(url, body=None, key=API_KEY, raw=None):
+def _request(url, body=None, key=API_KEY, raw=None, decode=json.loads, timeout=60):
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as resp:
+            return resp.status, decode(resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, decode(err.read())
 
 
 def test_openai_client_gets_completions_and_chat_streamed_and_not(server):
@@ -168,13 +168,7 @@ def test_overload_gets_503_at_once_not_a_hang(server):
 
 def _request_any(url, body):
     """Like _request, for responses whose body may not be JSON (Serve's own 503)."""
-    data = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=120) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+    return _request(url, body=body, decode=bytes, timeout=120)
 
 
 def _replicas(app: str = "raypo") -> dict:
