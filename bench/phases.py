@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for column, (preset, overrides) in RUNS.items():

@@ -121,7 +121,7 @@ def run_raypo(checkpoint: str, port: int, args) -> dict:
 
     from serve.app import build_app
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"checkpoint": checkpoint, "max_model_len": 128}), name="raypo", route_prefix="/")

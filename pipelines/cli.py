@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -113,12 +115,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_forever(args: argparse.Namespace) -> int:
-    import time
-
+    """Start the app and serve until SIGINT/SIGTERM; then take it down and exit 130 (0 on SIGTERM)."""
     import ray
     from ray import serve
 
-    from serve.app import ServeArgs, build_app
+    from serve.app import ServeArgs, build_app, check_fits
 
     if not args.checkpoint:
         raise SystemExit("raypo serve needs --checkpoint (a model directory, e.g. runs/<name>/final)")
@@ -128,17 +129,50 @@ def _serve_forever(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         min_replicas=args.min_replicas,
         max_replicas=max(args.max_replicas, args.min_replicas),
+        cpus_per_replica=args.cpus_per_replica,
     )
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(serve_args), name=args.app, route_prefix="/")
-    print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
+    stopped = {"code": 130}
+
+    def on_sigterm(signum, frame):
+        stopped["code"] = 0
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        try:
+            check_fits(serve_args, ray.cluster_resources())
+        except ValueError as err:
+            print(f"raypo serve: error: {err}", file=sys.stderr)
+            return 2
+        print(f"starting the engine for {serve_args.checkpoint} (about a minute on CPU)...", flush=True)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(serve_args), name=args.app, route_prefix="/")
+        print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
+        print("press Ctrl-C to stop", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        print("stopping: shutting down Serve and Ray...", flush=True)
+        _shutdown_serve()
+        print("stopped", flush=True)
+        return stopped["code"]
     return 0
+
+
+def _shutdown_serve() -> None:
+    """Delete the apps and stop the Ray this process started (a joined cluster stays up)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        serve.shutdown()
+    except Exception as err:  # the processes may already be going down with the signal
+        print(f"(serve shutdown: {type(err).__name__}: {err})", file=sys.stderr)
+    ray.shutdown()
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -180,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--app", default="raypo", help="the Serve application name of the front app")
     p.add_argument("--min-replicas", type=int, default=1, help="fewest engine replicas (autoscaling)")
     p.add_argument("--max-replicas", type=int, default=1, help="most engine replicas (autoscaling on ongoing requests)")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each engine replica reserves")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds a promoted version may take to come up")
     p.add_argument("--model-id", default="raypo-policy", help="the model name clients pass")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")

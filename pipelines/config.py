@@ -46,6 +46,29 @@ def task_options(task: ArithmeticTaskConfig | ReverseTaskConfig) -> dict[str, An
 
 
 # ----------------------------------------------------------------------------- model
+class WarmStartBand(Strict):
+    """Where a warm start must land for RL to show learning, checked after the SFT on held-out
+    problems other than the reported ones: greedy accuracy low enough to leave room, sampling
+    accuracy high enough that RL's samples hold right answers to reward. Outside it, the SFT
+    goes on (more rounds), then starts over from another initialisation, then fails."""
+
+    problems: int = Field(500, ge=50, description="held-out check problems (disjoint from the reported ones)")
+    samples: int = Field(4, ge=1, description="samples per check problem for the sampling accuracy")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the check (the RL presets sample at 1.0)")
+    min_greedy: float = Field(0.2, ge=0, le=1, description="lowest greedy accuracy: below it the model has not learned the task")
+    max_greedy: float = Field(0.6, ge=0, le=1, description="highest greedy accuracy: above it RL has too little room")
+    min_sampled: float = Field(0.45, ge=0, le=1, description="lowest sampling accuracy: below it RL finds too few right answers")
+    extra_rounds: int = Field(3, ge=0, description="further SFT rounds when the check fails")
+    extra_round_steps: int = Field(500, ge=1, description="steps of each further round (at half the peak learning rate)")
+    attempts: int = Field(2, ge=1, description="fresh initialisations to try before the build fails")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_greedy > self.max_greedy:
+            raise ValueError(f"min_greedy {self.min_greedy} is above max_greedy {self.max_greedy}")
+        return self
+
+
 class TinyModelConfig(Strict):
     """Shape and warm start of the embedded tiny model (`raypo make-tiny`)."""
 
@@ -63,10 +86,11 @@ class TinyModelConfig(Strict):
     sft_slip_share: float = Field(
         0.6, ge=0, le=1, description="share of SFT answers replaced by the task's systematic slip (arithmetic: carries dropped)"
     )
-    sft_steps: int = Field(1500, ge=0, description="optimizer steps of the warm start")
+    sft_steps: int = Field(2000, ge=0, description="optimizer steps of the warm start's first round")
     sft_batch_size: int = Field(64, ge=1, description="sequences per SFT step")
-    sft_lr: float = Field(3e-3, gt=0, description="peak learning rate of the warm start (cosine decay)")
+    sft_lr: float = Field(1e-3, gt=0, description="peak learning rate of the warm start (cosine decay)")
     heldout_problems: int = Field(500, ge=1, description="held-out problems the reported accuracy is measured on")
+    band: WarmStartBand = Field(default_factory=WarmStartBand, description="where the warm start must land (checked)")
 
     @model_validator(mode="after")
     def _heads_divide_width(self):

@@ -41,3 +41,36 @@ def greedy_accuracy(model, tokenizer, problems: Sequence[Problem], max_new_token
     completions = greedy_complete(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
     scores = exact_match([p.prompt for p in problems], completions, answer=[p.answer for p in problems])
     return sum(scores) / len(scores)
+
+
+@torch.no_grad()
+def sampled_accuracy(
+    model, tokenizer, problems: Sequence[Problem], samples: int, temperature: float = 1.0, seed: int = 0, batch_size: int = 512
+) -> float:
+    """Share of `samples` sampled completions per problem (pure temperature sampling, no top-k
+    or top-p) that are exactly the answer: how often RL's samples hold a right answer."""
+    tokenizer.padding_side = "left"
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    max_new_tokens = max(len(p.answer) for p in problems) + 2
+    right = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        rows = [p for p in chunk for _ in range(samples)]  # the samples of one prompt are adjacent
+        right += sum(exact_match([p.prompt for p in rows], texts, answer=[p.answer for p in rows]))
+    model.train(was_training)
+    return right / (len(problems) * samples)

@@ -25,14 +25,15 @@ from pipelines.tasks import Problem, make_task
 IGNORE_INDEX = -100
 
 
-def sft_problems(cfg: TinyModelConfig) -> tuple[list[Problem], list[Problem]]:
-    """Train problems of every SFT task, and held-out problems of the first task."""
+def sft_problems(cfg: TinyModelConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """Train problems of every SFT task; held-out problems of the first task (the reported
+    accuracy); and as many again held-out problems, disjoint from those, for the band check."""
     train: list[Problem] = []
     for task_cfg in cfg.sft_tasks:
         train += make_task(task_cfg.name, **task_options(task_cfg)).sample(cfg.sft_problems, "train", cfg.seed)
     first = cfg.sft_tasks[0]
-    heldout = make_task(first.name, **task_options(first)).sample(cfg.heldout_problems, "heldout", cfg.seed)
-    return train, heldout
+    heldout = make_task(first.name, **task_options(first)).sample(cfg.heldout_problems + cfg.band.problems, "heldout", cfg.seed)
+    return train, heldout[: cfg.heldout_problems], heldout[cfg.heldout_problems :]
 
 
 def sft_targets(problems: Sequence[Problem], slip_share: float, seed: int) -> list[str]:
@@ -65,25 +66,36 @@ def encode_examples(tokenizer, prompts: Sequence[str], targets: Sequence[str]) -
 
 
 def sft_train(
-    model, tokenizer, problems: Sequence[Problem], cfg: TinyModelConfig, log: Callable[[str], None] = print
+    model,
+    tokenizer,
+    problems: Sequence[Problem],
+    cfg: TinyModelConfig,
+    steps: int | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[float]:
-    """Train `model` in place for `cfg.sft_steps` steps; returns the loss of every step."""
+    """Train `model` in place for `steps` (default `cfg.sft_steps`) at peak learning rate `lr`
+    (default `cfg.sft_lr`; warmup, then cosine down to a tenth); returns every step's loss.
+    A further round is a second call: the same data, a fresh optimizer and schedule."""
+    steps = cfg.sft_steps if steps is None else steps
+    seed = cfg.seed if seed is None else seed
     targets = sft_targets(problems, cfg.sft_slip_share, cfg.seed)
     ids, attention, labels = encode_examples(tokenizer, [p.prompt for p in problems], targets)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, cfg.sft_steps // 20)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr or cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
 
     def lr_factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, cfg.sft_steps - warmup)
+        progress = (step - warmup) / max(1, steps - warmup)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))  # cosine from 1.0 down to 0.1
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     losses = []
-    for step in range(cfg.sft_steps):
+    for step in range(steps):
         idx = torch.randint(0, ids.shape[0], (cfg.sft_batch_size,), generator=generator)
         batch_mask = attention[idx]
         width = int(batch_mask.sum(dim=1).max())  # trim the batch to its longest row
@@ -94,8 +106,8 @@ def sft_train(
         optimizer.step()
         scheduler.step()
         losses.append(out.loss.item())
-        if (step + 1) % max(1, cfg.sft_steps // 10) == 0 or step + 1 == cfg.sft_steps:
+        if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
             recent = losses[-50:]
-            log(f"  sft step {step + 1}/{cfg.sft_steps}  loss {sum(recent) / len(recent):.4f}")
+            log(f"  sft step {step + 1}/{steps}  loss {sum(recent) / len(recent):.4f}")
     model.eval()
     return losses

@@ -48,6 +48,61 @@ class Roles:
         self.learners.shutdown()
 
 
+# CPUs each role reserves in Ray's scheduler. A role's torch threads are set apart from this
+# (roles take turns within a step), so the reservations only have to fit the machine together.
+ROLE_CPUS = {"rollout": 0.2, "reference": 0.2, "value": 0.2, "reward": 0.05, "buffer": 0.05, "helper task": 0.05}
+HELPER_TASKS = 2  # prepare_experience and concat_batches may run at once
+
+
+class ResourceFitError(RuntimeError):
+    """The run's actors cannot all be placed on the Ray cluster; the message names the resource."""
+
+
+def cpu_plan(cfg: RaypoConfig) -> dict[str, float]:
+    """CPUs each role of `cfg`'s run reserves, by role."""
+    res = cfg.resource
+    plan = {
+        "learners": res.num_learners * res.cpus_per_learner,
+        "rollout": res.num_rollout_workers * ROLE_CPUS["rollout"],
+        "reward": ROLE_CPUS["reward"],
+        "buffer": ROLE_CPUS["buffer"],
+        "helper tasks": HELPER_TASKS * ROLE_CPUS["helper task"],
+    }
+    if cfg.algo.kl_coef > 0:
+        plan["reference"] = ROLE_CPUS["reference"]
+    if cfg.algo.advantage == "gae":
+        plan["value"] = ROLE_CPUS["value"]
+    return plan
+
+
+def check_fits(cfg: RaypoConfig, cluster: dict[str, float]) -> None:
+    """Raise ResourceFitError at once when the run cannot be placed on a cluster with
+    `cluster` resources (`ray.cluster_resources()`), instead of waiting for it forever.
+
+    >>> from pipelines.config import load_config
+    >>> try:
+    ...     check_fits(load_config(overrides=["resource.num_learners=2"]), {"CPU": 2.0})
+    ... except ResourceFitError as err:
+    ...     print(str(err).partition(" (")[0], "...", str(err).partition(") ")[2].partition(";")[0])
+    this run needs 2.6 CPUs ... but the Ray cluster has 2
+    """
+    plan = cpu_plan(cfg)
+    need, have = sum(plan.values()), cluster.get("CPU", 0.0)
+    if need > have + 1e-9:
+        parts = ", ".join(f"{role} {cpus:g}" for role, cpus in plan.items())
+        raise ResourceFitError(
+            f"this run needs {need:g} CPUs ({parts}) but the Ray cluster has {have:g}; lower resource.num_learners, "
+            "resource.cpus_per_learner or resource.num_rollout_workers, or run on a bigger cluster"
+        )
+    res = cfg.resource
+    gpus = res.num_learners + res.num_rollout_workers if res.use_gpu else 0
+    if gpus > cluster.get("GPU", 0.0):
+        raise ResourceFitError(
+            f"this run needs {gpus} GPUs ({res.num_learners} learners + {res.num_rollout_workers} rollout engines, one "
+            f"each) but the Ray cluster has {cluster.get('GPU', 0.0):g}; set resource.use_gpu=false or add GPUs"
+        )
+
+
 def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     import ray
 
@@ -61,21 +116,23 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
 
     res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
     rollouts = [
-        RolloutActor.options(num_cpus=0.5, num_gpus=1 if res.use_gpu else 0, name=actor_name(cfg, f"rollout-{i}")).remote(
-            str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction
-        )
+        RolloutActor.options(
+            num_cpus=ROLE_CPUS["rollout"], num_gpus=1 if res.use_gpu else 0, name=actor_name(cfg, f"rollout-{i}")
+        ).remote(str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction)
         for i in range(res.num_rollout_workers)
     ]
     terms = [(t.fn, t.weight) for t in cfg.reward.terms]
-    reward = RewardActor.options(num_cpus=0.1).remote(terms, cfg.reward.normalize, cfg.reward.value_range)
+    reward = RewardActor.options(num_cpus=ROLE_CPUS["reward"]).remote(terms, cfg.reward.normalize, cfg.reward.value_range)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
-    buffer = ExperienceBuffer.options(num_cpus=0.1).remote(1, spill_dir)
+    buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)
     reference = None
     if cfg.algo.kl_coef > 0:
-        reference = ReferenceActor.options(num_cpus=0.5).remote(str(model_dir), cfg.inference.temperature, threads)
+        reference = ReferenceActor.options(num_cpus=ROLE_CPUS["reference"]).remote(
+            str(model_dir), cfg.inference.temperature, threads
+        )
     value = None
     if cfg.algo.advantage == "gae":
-        value = ValueActor.options(num_cpus=0.5).remote(
+        value = ValueActor.options(num_cpus=ROLE_CPUS["value"]).remote(
             str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads
         )
     spec = LearnerSpec(
@@ -101,8 +158,8 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
         buffer=buffer,
         reference=reference,
         value=value,
-        remote_prepare=ray.remote(num_cpus=0.1, num_returns=2)(prepare_experience),
-        remote_concat=ray.remote(num_cpus=0.1)(concat_batches),
+        remote_prepare=ray.remote(num_cpus=ROLE_CPUS["helper task"], num_returns=2)(prepare_experience),
+        remote_concat=ray.remote(num_cpus=ROLE_CPUS["helper task"])(concat_batches),
         weight_sync=weight_sync,
     )
 

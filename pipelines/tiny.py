@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config import TinyModelConfig
+from pipelines.config import TinyModelConfig, WarmStartBand
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
@@ -23,7 +25,7 @@ CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
 # and a user message "12+7=" becomes exactly the prompt it was trained on.
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 MANIFEST = "raypo_tiny.json"
-TINY_FORMAT_VERSION = 1  # bump when the build changes, so old caches are not reused
+TINY_FORMAT_VERSION = 2  # bump when the build changes, so old caches are not reused
 
 
 def cache_root() -> Path:
@@ -83,34 +85,108 @@ def build_model(cfg: TinyModelConfig, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], None] = print) -> tuple[Path, dict]:
-    """Build, warm-start and save the tiny model (or reuse the cached one).
+class WarmStartError(RuntimeError):
+    """The warm start did not land in its band after every round and attempt; nothing was cached."""
 
-    Returns its directory and its manifest (held-out accuracy before and after the SFT).
-    """
+
+@dataclass(frozen=True)
+class BandCheck:
+    greedy: float
+    sampled: float
+    ok: bool
+
+    def describe(self) -> str:
+        return f"greedy {self.greedy:.1%}, sampled {self.sampled:.1%}"
+
+
+def check_band(model, tokenizer, problems: list, band: WarmStartBand, seed: int) -> BandCheck:
+    """Greedy and sampling accuracy on the check problems, and whether both lie in `band`."""
+    from pipelines.evaluate import greedy_accuracy, sampled_accuracy
+
+    greedy = greedy_accuracy(model, tokenizer, problems)
+    sampled = sampled_accuracy(model, tokenizer, problems, band.samples, band.temperature, seed)
+    ok = band.min_greedy <= greedy <= band.max_greedy and sampled >= band.min_sampled
+    return BandCheck(greedy, sampled, ok)
+
+
+def band_text(band: WarmStartBand) -> str:
+    return f"greedy {band.min_greedy:.0%}-{band.max_greedy:.0%}, sampled >= {band.min_sampled:.0%}"
+
+
+def warm_start(cfg: TinyModelConfig, tokenizer, log: Callable[[str], None] = print):
+    """A model of `cfg` warm-started until it lands in `cfg.band`: the first SFT round, up to
+    `band.extra_rounds` more, and up to `band.attempts` fresh initialisations. Returns the model,
+    the check that passed, and the history of checks; raises WarmStartError when none passed."""
+    from pipelines.sft import sft_problems, sft_train
+
+    band = cfg.band
+    train, _, check_problems = sft_problems(cfg)
+    history: list[dict] = []
+    for attempt in range(band.attempts):
+        init_seed = cfg.seed + 1000 * attempt  # attempt 0 is the configured seed itself
+        model = build_model(cfg.model_copy(update={"seed": init_seed}), tokenizer)
+        for round_ in range(1 + band.extra_rounds):
+            first = round_ == 0
+            steps = cfg.sft_steps if first else band.extra_round_steps
+            log(f"warm-start SFT (attempt {attempt + 1}, round {round_ + 1}): {steps} steps on {len(train)} train problems")
+            losses = sft_train(
+                model,
+                tokenizer,
+                train,
+                cfg,
+                steps=steps,
+                lr=cfg.sft_lr if first else cfg.sft_lr / 2,
+                seed=init_seed + round_,
+                log=log,
+            )
+            check = check_band(model, tokenizer, check_problems, band, seed=init_seed + round_)
+            tail = losses[-100:]
+            history.append(
+                {
+                    "attempt": attempt + 1,
+                    "round": round_ + 1,
+                    "steps": steps,
+                    "loss": sum(tail) / max(1, len(tail)),
+                    "greedy": check.greedy,
+                    "sampled": check.sampled,
+                    "in_band": check.ok,
+                }
+            )
+            verdict = "in band" if check.ok else f"outside the band ({band_text(band)})"
+            log(f"  check on {len(check_problems)} held-out problems: {check.describe()}: {verdict}")
+            if check.ok:
+                return model, check, history
+    raise WarmStartError(
+        f"the tiny model's warm start did not land in its band ({band_text(band)}) after {band.attempts} "
+        f"initialisation(s) x {1 + band.extra_rounds} SFT round(s); last check: {check.describe()}, SFT loss "
+        f"{history[-1]['loss']:.3f}. A model outside the band cannot show RL's learning, so nothing was cached. "
+        "Try another model.tiny.seed, more model.tiny.sft_steps or a lower model.tiny.sft_lr."
+    )
+
+
+def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], None] = print) -> tuple[Path, dict]:
+    """Build, warm-start (until it lands in its band) and save the tiny model, or reuse the
+    cached one. Returns its directory and its manifest (the measured accuracies and checks)."""
     out = tiny_dir(cfg)
     manifest_path = out / MANIFEST
     if manifest_path.exists() and not force:
         manifest = json.loads(manifest_path.read_text())
-        log(f"tiny model cached at {out} (held-out accuracy {manifest['heldout_accuracy']:.1%})")
+        log(f"tiny model cached at {out} (held-out greedy accuracy {manifest['heldout_accuracy']:.1%})")
         return out, manifest
 
     import torch
 
     from pipelines.evaluate import greedy_accuracy
-    from pipelines.sft import sft_problems, sft_train
+    from pipelines.sft import sft_problems
 
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
     tokenizer = build_tokenizer()
-    model = build_model(cfg, tokenizer)
+    _, heldout, _ = sft_problems(cfg)
+    before = greedy_accuracy(build_model(cfg, tokenizer), tokenizer, heldout)
+    model, check, history = warm_start(cfg, tokenizer, log)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"built tiny Llama: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
-
-    train, heldout = sft_problems(cfg)
-    before = greedy_accuracy(model, tokenizer, heldout)
-    log(f"warm-start SFT: {cfg.sft_steps} steps on {len(train)} train problems")
-    sft_train(model, tokenizer, train, cfg, log=log)
     after = greedy_accuracy(model, tokenizer, heldout)
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -123,17 +199,20 @@ def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], No
         "heldout_problems": len(heldout),
         "heldout_accuracy_before_sft": before,
         "heldout_accuracy": after,
+        "check_greedy_accuracy": check.greedy,
+        "check_sampled_accuracy": check.sampled,
+        "warm_start_history": history,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
         "build_seconds": round(time.monotonic() - started, 1),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():  # --force over an old build: swap it out whole
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)  # atomic: a half-written model is never taken for a cached one
     log(
-        f"tiny model saved to {out}: held-out greedy accuracy {before:.1%} -> {after:.1%} "
-        f"on {len(heldout)} problems in {manifest['build_seconds']:.0f}s"
+        f"tiny model saved to {out}: held-out greedy accuracy {before:.1%} -> {after:.1%} on {len(heldout)} problems "
+        f"(sampled {check.sampled:.1%} on the check problems) in {manifest['build_seconds']:.0f}s"
     )
     return out, manifest

@@ -21,7 +21,7 @@ from pipelines.grpo import grpo_step
 from pipelines.monitor import Alerts, Sinks
 from pipelines.ppo import ppo_step
 from pipelines.registry import Registry
-from pipelines.steps import Roles, build_roles, prompts_at, sync_weights
+from pipelines.steps import Roles, build_roles, check_fits, prompts_at, sync_weights
 from pipelines.tasks import Problem, make_task
 
 MetricsCallback = Callable[[dict], None]
@@ -170,15 +170,51 @@ class Trainer:
 
 
 def _describe_failure(err: BaseException) -> str:
-    """A one-line cause for a Ray failure: the actor that died, or the error inside a task."""
+    """A one-line cause for a Ray failure: the error inside the task or actor, down to its root."""
     import ray.exceptions as rex
 
     if isinstance(err, rex.RayTaskError):
-        inner = err.__dict__.get("cause") or err
-        return f"{type(inner).__name__}: {inner}".splitlines()[0][:500]
+        return root_cause(err.__dict__.get("cause") or err)
     if isinstance(err, rex.ActorDiedError | rex.RayActorError):
+        cause = getattr(err, "_actor_init_error", None) or getattr(err, "cause", None)
+        if isinstance(cause, BaseException):
+            return f"an actor failed to start: {root_cause(cause)}"
         return f"an actor died: {str(err).splitlines()[0][:300]}"
-    return f"{type(err).__name__}: {err}"
+    return root_cause(err)
+
+
+def root_cause(err: BaseException) -> str:
+    """`Type: message` of the innermost exception `err` was raised from, with the first line that
+    names an error when the message's own first line says nothing (`backend='inductor' raised:`).
+
+    >>> try:
+    ...     try:
+    ...         raise OSError("disk full")
+    ...     except OSError as inner:
+    ...         raise RuntimeError("step failed") from inner
+    ... except RuntimeError as outer:
+    ...     root_cause(outer)
+    'OSError: disk full (under RuntimeError: step failed)'
+    """
+    chain = [err]
+    while (nxt := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) is not None:
+        if nxt in chain:
+            break
+        chain.append(nxt)
+    inner = chain[-1]
+    text = str(inner).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    head = lines[0] if lines else ""
+    if len(lines) > 1 and (head.endswith(":") or len(head) < 40):
+        named = [line for line in lines[1:] if "error:" in line.lower()] or [
+            line for line in lines[1:] if "error" in line.lower()
+        ]
+        detail = (named or lines[1:])[0]
+        head = f"{head} {detail}"
+    message = f"{type(inner).__name__}: {head}"[:600]
+    if inner is not err:
+        message += f" (under {type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
+    return message
 
 
 def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None, resume: bool = False) -> dict:
@@ -196,12 +232,12 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
         if address:
             ray.init(address=address)
         else:
-            # More logical CPUs than cores: the roles take turns within a step.
-            ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine by Ray
             started_ray = True
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     trainer = None
     try:
+        check_fits(cfg, ray.cluster_resources())
         trainer = Trainer(cfg, model_dir, on_metrics)
         return trainer.run(resume=resume)
     except (rex.RayError, rex.RayTaskError) as err:

@@ -52,6 +52,34 @@ class ServeArgs(BaseModel):
         return str(path.resolve())
 
 
+INGRESS_CPUS = 0.1  # the ingress only routes; the Versions deployment reserves none
+
+
+def cpu_plan(args: ServeArgs) -> dict[str, float]:
+    """CPUs the app reserves at its smallest (`min_replicas` engines), by part. An engine
+    replica's actor lives in its own placement bundle and reserves nothing beside it."""
+    return {
+        f"engine replicas ({max(1, args.min_replicas)} x {args.cpus_per_replica:g})": max(1, args.min_replicas)
+        * args.cpus_per_replica,
+        "ingress": INGRESS_CPUS,
+    }
+
+
+def check_fits(args: ServeArgs, cluster: dict[str, float]) -> None:
+    """Raise ValueError at once when the app cannot be placed on a cluster with `cluster`
+    resources (`ray.cluster_resources()`): Serve would otherwise wait for it forever."""
+    plan = cpu_plan(args)
+    need, have = sum(plan.values()), cluster.get("CPU", 0.0)
+    if need > have + 1e-9:
+        parts = ", ".join(f"{part} {cpus:g}" for part, cpus in plan.items())
+        raise ValueError(
+            f"the app needs {need:g} CPUs ({parts}) but the Ray cluster has {have:g}; "
+            "lower --cpus-per-replica or --min-replicas, or serve on a bigger cluster"
+        )
+    if args.use_gpu and cluster.get("GPU", 0.0) < max(1, args.min_replicas):
+        raise ValueError(f"the app needs {max(1, args.min_replicas)} GPUs (one per engine replica) but the cluster has none")
+
+
 def llm_config(args: ServeArgs):
     from ray.serve.llm import LLMConfig
 
@@ -79,6 +107,8 @@ def llm_config(args: ServeArgs):
             },
             "max_ongoing_requests": args.max_ongoing_requests,
             "max_constructor_retry_count": args.max_constructor_retries,
+            # the replica actor shares its engine's placement bundle instead of adding a CPU of its own
+            "ray_actor_options": {"num_cpus": 0},
         },
     )
 
@@ -110,6 +140,7 @@ def build_app(args: dict | ServeArgs):
     options = maybe_apply_llm_deployment_config_defaults(OpenAiIngress.get_deployment_options([config]), None)
     options["max_ongoing_requests"] = args.max_replicas * args.max_ongoing_requests
     options["max_queued_requests"] = args.max_queued_requests
+    options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "num_cpus": INGRESS_CPUS}
     first = version_app(args)
     versions = serve.deployment(Versions, name="Versions", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(
         args=args.model_dump(mode="json"), first_deployment=first._bound_deployment.name

@@ -16,7 +16,7 @@ def test_train_runs_under_ray_job_submission(tiny_model, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     # Ray's default token auth stays on: the job client and the job's driver must pass it.
-    context = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+    context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)  # sized from this machine
     try:
         client = JobSubmissionClient(f"http://{context.dashboard_url}")
         entrypoint = (

@@ -31,7 +31,7 @@ def trained_checkpoint(tiny_model, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("runs")
     cfg = load_config(ROOT / "configs" / "grpo_tiny.yaml", ["training.steps=1", "task.eval_problems=20", f"output_dir={out}"])
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     try:
         return train(cfg)["policy"]
     finally:
@@ -50,7 +50,7 @@ SERVER_ARGS = {
     "max_replicas": 2,
     "target_ongoing_requests": 2,
     "upscale_delay_s": 5.0,
-    "cpus_per_replica": 1.0,
+    "cpus_per_replica": 0.5,  # two v1 replicas and a promoted version fit in 2 CPUs beside the ingress
     "watch": {"check_interval_s": 1.0, "check_timeout_s": 5.0, "failures_to_rollback": 5, "gate_checks": 2},
 }
 
@@ -61,8 +61,7 @@ def server(trained_checkpoint):
 
     port = _free_port()
     os.environ["RAYPO_API_KEY"] = API_KEY  # read by the ingress replica, which inherits it from this process
-    # logical CPUs: each engine replica asks for 2 (its actor and its placement bundle)
-    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
+    ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)  # sized from this machine
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(SERVER_ARGS | {"checkpoint": trained_checkpoint}), name="raypo", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -25,9 +25,19 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     yield
     ray.shutdown()
+
+
+def _transformers_accuracy(model_dir, problems: int) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.evaluate import greedy_accuracy
+    from pipelines.tasks import Arithmetic
+
+    heldout = Arithmetic(operators="+").sample(problems, "heldout", 0)
+    return greedy_accuracy(AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir), heldout)
 
 
 def _cfg(tmp_path, preset, *overrides):
@@ -70,7 +80,9 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
         "buffer_rows",
     ):
         assert all(np.isfinite(m[key]) for m in lines), key
-    assert summary["steps"] == 3 and 0 <= summary["eval_accuracy_start"] <= 1 and 0 <= summary["eval_accuracy_end"] <= 1
+    assert summary["steps"] == 3 and summary["eval_problems"] == 50
+    # the start accuracy is vLLM's greedy accuracy of the warm start: transformers' greedy says the same
+    assert summary["eval_accuracy_start"] == pytest.approx(_transformers_accuracy(tiny_model[0], 50), abs=0.041)
     assert (run / "reward_curve.png").stat().st_size > 0
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert len(list((run / "experience").glob("*.parquet"))) == 3
@@ -87,15 +99,6 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
     assert resumed["steps"] == 5 and resumed["eval_accuracy_start"] == summary["eval_accuracy_start"]
     state = json.loads((run / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
     assert state["step"] == 5
-
-
-def test_grpo_preset_corrects_the_warm_starts_slip_on_heldout_problems(local_ray, tiny_model, tmp_path):
-    """The main job, shortened: 20 GRPO steps of the default preset. The warm start drops
-    carries on most carry problems when greedy; RL rewarded on exact answers fixes that on
-    held-out problems. Measured (seed 0, 200 problems): 0.495 -> 0.955 in 20 steps."""
-    cfg = load_config(CONFIGS / "grpo_tiny.yaml", [f"output_dir={tmp_path}", "training.steps=20", "task.eval_problems=200"])
-    summary = train(cfg)
-    assert summary["eval_accuracy_end"] - summary["eval_accuracy_start"] >= 0.30, summary
 
 
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):

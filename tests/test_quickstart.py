@@ -1,0 +1,107 @@
+"""What a new user runs, run the way README shows it: `raypo train` and `raypo serve` as
+subprocesses, each on a local Ray it starts itself, sized from this machine, with the tiny
+model built in this test run's own fresh cache (tests/conftest.py)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+RAYPO = [sys.executable, "-m", "pipelines.cli"]  # the `raypo` console script's entry point
+# Measured on 2 cores (bench/reproducibility.py; README): every build seed and kernel set gained
+# 37 points or more; +30 is the README's claim.
+MIN_GAIN = 0.30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """`raypo train` with no arguments (the README's main job), writing under a temporary dir."""
+    out = tmp_path_factory.mktemp("runs")
+    started = time.monotonic()
+    run = subprocess.run([*RAYPO, "train", "--set", f"output_dir={out}"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out / "grpo_tiny", run.stdout, time.monotonic() - started
+
+
+def test_raypo_train_prints_a_summary_with_the_accuracy_gain(trained):
+    run_dir, stdout, seconds = trained
+    summary = json.loads(stdout[stdout.index("{") :])  # the summary is the last thing printed
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["eval_problems"] == 500
+    gain = summary["eval_accuracy_end"] - summary["eval_accuracy_start"]
+    assert gain >= MIN_GAIN, summary
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def _get(url: str, timeout: float = 10):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(trained):
+    from openai import OpenAI
+
+    port = _free_port()
+    # A session of its own, so Ctrl-C can be sent to the whole process group, as a terminal does.
+    server = subprocess.Popen(
+        [*RAYPO, "serve", "--checkpoint", str(trained[0] / "final"), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180  # the issue's bound for a 2-core machine
+        health = None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                health = _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                time.sleep(2)
+        assert server.poll() is None, server.communicate()[1][-4000:]
+        assert health is not None and health[0] == 200, "raypo serve did not become healthy within 3 minutes"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answer = client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0)
+        assert answer.choices[0].text.strip() == "19"  # the trained policy adds
+        family = psutil.Process(server.pid).children(recursive=True)
+        assert family, "raypo serve started no Ray processes"
+        os.killpg(server.pid, signal.SIGINT)
+        _, stderr = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert server.returncode in (0, 130), stderr[-4000:]
+    assert "Aborted" not in stderr and "Traceback" not in stderr, stderr[-4000:]
+    time.sleep(5)  # Ray's processes get a moment to go after their driver
+    strays = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not strays, [" ".join(p.cmdline()[:3]) for p in strays]
+
+
+def test_raypo_serve_says_at_once_when_the_app_cannot_fit(trained):
+    run = subprocess.run(  # said at once: well before Serve's own scheduling waits would end
+        [*RAYPO, "serve", "--checkpoint", str(trained[0] / "final"), "--cpus-per-replica", "64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=150,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "the app needs 64.1 CPUs" in run.stderr and "--cpus-per-replica" in run.stderr, run.stderr[-3000:]
