@@ -12,3 +12,19 @@ def limit_threads(cpus: float) -> None:
 
     threads = max(1, int(os.environ.get("RAYPO_THREADS_PER_ACTOR", "0")) or int(round(cpus)) or 1)
     torch.set_num_threads(threads)
+
+
+def cpu_shortfall(plan: dict[str, float], cluster: dict[str, float]) -> str | None:
+    """None when the CPUs of `plan` (by part) fit a cluster with `cluster` resources
+    (`ray.cluster_resources()`), else what is short, naming every part.
+
+    >>> cpu_shortfall({"learners": 1.0, "rollout": 0.2}, {"CPU": 2.0}) is None
+    True
+    >>> cpu_shortfall({"learners": 2.0, "rollout": 0.2}, {"CPU": 2.0})
+    'needs 2.2 CPUs (learners 2, rollout 0.2) but the Ray cluster has 2'
+    """
+    need, have = sum(plan.values()), cluster.get("CPU", 0.0)
+    if need <= have + 1e-9:
+        return None
+    parts = ", ".join(f"{part} {cpus:g}" for part, cpus in plan.items())
+    return f"needs {need:g} CPUs ({parts}) but the Ray cluster has {have:g}"

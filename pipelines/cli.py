@@ -139,12 +139,16 @@ def _serve_forever(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, include_dashboard=False)
         try:
             check_fits(serve_args, ray.cluster_resources())
         except ValueError as err:
-            print(f"raypo serve: error: {err}", file=sys.stderr)
-            return 2
+            if not address:  # a local Ray is all there will be
+                print(f"raypo serve: error: {err}", file=sys.stderr)
+                ray.shutdown()
+                return 2
+            print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)
         print(f"starting the engine for {serve_args.checkpoint} (about a minute on CPU)...", flush=True)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(serve_args), name=args.app, route_prefix="/")

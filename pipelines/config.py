@@ -57,7 +57,7 @@ class WarmStartBand(Strict):
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the check (the RL presets sample at 1.0)")
     min_greedy: float = Field(0.2, ge=0, le=1, description="lowest greedy accuracy: below it the model has not learned the task")
     max_greedy: float = Field(0.6, ge=0, le=1, description="highest greedy accuracy: above it RL has too little room")
-    min_sampled: float = Field(0.45, ge=0, le=1, description="lowest sampling accuracy: below it RL finds too few right answers")
+    min_sampled: float = Field(0.5, ge=0, le=1, description="lowest sampling accuracy: below it RL finds too few right answers")
     extra_rounds: int = Field(3, ge=0, description="further SFT rounds when the check fails")
     extra_round_steps: int = Field(500, ge=1, description="steps of each further round (at half the peak learning rate)")
     attempts: int = Field(2, ge=1, description="fresh initialisations to try before the build fails")
@@ -86,7 +86,7 @@ class TinyModelConfig(Strict):
     sft_slip_share: float = Field(
         0.6, ge=0, le=1, description="share of SFT answers replaced by the task's systematic slip (arithmetic: carries dropped)"
     )
-    sft_steps: int = Field(2000, ge=0, description="optimizer steps of the warm start's first round")
+    sft_steps: int = Field(3000, ge=0, description="optimizer steps of the warm start's first round")
     sft_batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     sft_lr: float = Field(1e-3, gt=0, description="peak learning rate of the warm start (cosine decay)")
     heldout_problems: int = Field(500, ge=1, description="held-out problems the reported accuracy is measured on")

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.common import cpu_shortfall
 from pipelines.config import RaypoConfig
 from pipelines.schedules import clip_eps, group_size
 from pipelines.tasks import Problem
@@ -86,13 +87,10 @@ def check_fits(cfg: RaypoConfig, cluster: dict[str, float]) -> None:
     ...     print(str(err).partition(" (")[0], "...", str(err).partition(") ")[2].partition(";")[0])
     this run needs 2.6 CPUs ... but the Ray cluster has 2
     """
-    plan = cpu_plan(cfg)
-    need, have = sum(plan.values()), cluster.get("CPU", 0.0)
-    if need > have + 1e-9:
-        parts = ", ".join(f"{role} {cpus:g}" for role, cpus in plan.items())
+    if short := cpu_shortfall(cpu_plan(cfg), cluster):
         raise ResourceFitError(
-            f"this run needs {need:g} CPUs ({parts}) but the Ray cluster has {have:g}; lower resource.num_learners, "
-            "resource.cpus_per_learner or resource.num_rollout_workers, or run on a bigger cluster"
+            f"this run {short}; lower resource.num_learners, resource.cpus_per_learner or resource.num_rollout_workers, "
+            "or run on a bigger cluster"
         )
     res = cfg.resource
     gpus = res.num_learners + res.num_rollout_workers if res.use_gpu else 0

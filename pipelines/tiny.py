@@ -113,14 +113,14 @@ def band_text(band: WarmStartBand) -> str:
     return f"greedy {band.min_greedy:.0%}-{band.max_greedy:.0%}, sampled >= {band.min_sampled:.0%}"
 
 
-def warm_start(cfg: TinyModelConfig, tokenizer, log: Callable[[str], None] = print):
-    """A model of `cfg` warm-started until it lands in `cfg.band`: the first SFT round, up to
-    `band.extra_rounds` more, and up to `band.attempts` fresh initialisations. Returns the model,
-    the check that passed, and the history of checks; raises WarmStartError when none passed."""
-    from pipelines.sft import sft_problems, sft_train
+def warm_start(cfg: TinyModelConfig, tokenizer, train: list, check_problems: list, log: Callable[[str], None] = print):
+    """A model of `cfg` warm-started on `train` until it lands in `cfg.band` on `check_problems`:
+    the first SFT round, up to `band.extra_rounds` more, and up to `band.attempts` fresh
+    initialisations. Returns the model, the check that passed, and the history of checks;
+    raises WarmStartError when none passed."""
+    from pipelines.sft import sft_train
 
     band = cfg.band
-    train, _, check_problems = sft_problems(cfg)
     history: list[dict] = []
     for attempt in range(band.attempts):
         init_seed = cfg.seed + 1000 * attempt  # attempt 0 is the configured seed itself
@@ -182,9 +182,9 @@ def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], No
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
     tokenizer = build_tokenizer()
-    _, heldout, _ = sft_problems(cfg)
+    train, heldout, check_problems = sft_problems(cfg)
     before = greedy_accuracy(build_model(cfg, tokenizer), tokenizer, heldout)
-    model, check, history = warm_start(cfg, tokenizer, log)
+    model, check, history = warm_start(cfg, tokenizer, train, check_problems, log)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"built tiny Llama: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
     after = greedy_accuracy(model, tokenizer, heldout)

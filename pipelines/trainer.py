@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from pipelines.grpo import grpo_step
 from pipelines.monitor import Alerts, Sinks
 from pipelines.ppo import ppo_step
 from pipelines.registry import Registry
-from pipelines.steps import Roles, build_roles, check_fits, prompts_at, sync_weights
+from pipelines.steps import ResourceFitError, Roles, build_roles, check_fits, prompts_at, sync_weights
 from pipelines.tasks import Problem, make_task
 
 MetricsCallback = Callable[[dict], None]
@@ -170,51 +173,56 @@ class Trainer:
 
 
 def _describe_failure(err: BaseException) -> str:
-    """A one-line cause for a Ray failure: the error inside the task or actor, down to its root."""
+    """A one-line cause for a Ray failure: the error inside the task or actor, with its root
+    cause when its own message says nothing (`BackendCompilerFailed: backend='inductor' raised:`)."""
     import ray.exceptions as rex
 
     if isinstance(err, rex.RayTaskError):
-        return root_cause(err.__dict__.get("cause") or err)
+        inner = err.__dict__.get("cause") or err
+        return with_root_cause(f"{type(inner).__name__}: {inner}", str(err))
     if isinstance(err, rex.ActorDiedError | rex.RayActorError):
-        cause = getattr(err, "_actor_init_error", None) or getattr(err, "cause", None)
-        if isinstance(cause, BaseException):
-            return f"an actor failed to start: {root_cause(cause)}"
-        return f"an actor died: {str(err).splitlines()[0][:300]}"
-    return root_cause(err)
+        text = str(err)
+        if "creation task" in text:  # the actor's __init__ raised; its traceback is in the text
+            return f"an actor failed to start: {root_cause(text)}"
+        return f"an actor died: {text.splitlines()[0][:300]}"
+    return with_root_cause(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)))
 
 
-def root_cause(err: BaseException) -> str:
-    """`Type: message` of the innermost exception `err` was raised from, with the first line that
-    names an error when the message's own first line says nothing (`backend='inductor' raised:`).
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception|Failed|Exit|Interrupt)\w*): ?(.*)$")
 
-    >>> try:
-    ...     try:
-    ...         raise OSError("disk full")
-    ...     except OSError as inner:
-    ...         raise RuntimeError("step failed") from inner
-    ... except RuntimeError as outer:
-    ...     root_cause(outer)
-    'OSError: disk full (under RuntimeError: step failed)'
+
+def _says_nothing(message: str) -> bool:
+    return len(message.strip()) < 30 or message.strip().endswith(":")
+
+
+def root_cause(traceback_text: str) -> str:
+    """`Type: message` of the first exception a traceback names (the root of a chain: Python
+    prints it first), plus the first line naming an error when the message alone says nothing.
+
+    >>> root_cause("Traceback (most recent call last):\\n  File 'x.py', line 1\\nCppCompileError: C++ compile error\\n"
+    ...            "Command: g++ -O3 x.cpp\\nx.cpp:9: error: 'at::vec' has not been declared\\n")
+    "CppCompileError: C++ compile error x.cpp:9: error: 'at::vec' has not been declared"
     """
-    chain = [err]
-    while (nxt := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) is not None:
-        if nxt in chain:
+    lines = [line.strip() for line in traceback_text.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if match := _EXCEPTION_LINE.match(line):
+            head, message, rest = match.group(1), match.group(2), lines[i + 1 : i + 80]
             break
-        chain.append(nxt)
-    inner = chain[-1]
-    text = str(inner).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    head = lines[0] if lines else ""
-    if len(lines) > 1 and (head.endswith(":") or len(head) < 40):
-        named = [line for line in lines[1:] if "error:" in line.lower()] or [
-            line for line in lines[1:] if "error" in line.lower()
-        ]
-        detail = (named or lines[1:])[0]
-        head = f"{head} {detail}"
-    message = f"{type(inner).__name__}: {head}"[:600]
-    if inner is not err:
-        message += f" (under {type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
-    return message
+    else:
+        return (lines[0] if lines else "unknown error")[:600]
+    if _says_nothing(message):
+        named = [line for line in rest if "error:" in line.lower()] or [line for line in rest if "error" in line.lower()]
+        message = f"{message} {(named or rest or [''])[0]}".strip()
+    return f"{head}: {message}"[:600]
+
+
+def with_root_cause(summary: str, traceback_text: str) -> str:
+    """`summary`'s first line, and the root cause from `traceback_text` when that line says nothing."""
+    first = (summary.strip().splitlines() or [""])[0]
+    if not _says_nothing(first.partition(": ")[2] if ": " in first else first):
+        return first[:500]
+    root = root_cause(traceback_text)
+    return first[:200] if root.startswith(first) else f"{first[:200]} caused by {root}"
 
 
 def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None, resume: bool = False) -> dict:
@@ -237,7 +245,12 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     trainer = None
     try:
-        check_fits(cfg, ray.cluster_resources())
+        try:
+            check_fits(cfg, ray.cluster_resources())
+        except ResourceFitError as err:
+            if started_ray:  # a local Ray is all there will be
+                raise
+            print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)
         trainer = Trainer(cfg, model_dir, on_metrics)
         return trainer.run(resume=resume)
     except (rex.RayError, rex.RayTaskError) as err:

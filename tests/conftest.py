@@ -4,10 +4,17 @@ suite checks what a new user's first build gives on this machine, not an old cac
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RAYPO = [sys.executable, "-m", "pipelines.cli"]  # the `raypo` console script's entry point
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Subprocesses (raypo train, raypo serve) inherit it, so they use the model built here.
@@ -21,3 +28,14 @@ def tiny_model():
     from pipelines.tiny import make_tiny
 
     return make_tiny(TinyModelConfig())
+
+
+@pytest.fixture(scope="session")
+def main_job(tiny_model, tmp_path_factory):
+    """The README's main job, `raypo train` with no arguments, as a subprocess on a local Ray it
+    starts itself: (run directory, summary printed, stdout). Run once; the Serve tests serve it."""
+    out = tmp_path_factory.mktemp("main-job")
+    run = subprocess.run([*RAYPO, "train", "--set", f"output_dir={out}"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    printed = json.loads(run.stdout[run.stdout.index("{") :])  # the summary is the last thing printed
+    return out / "grpo_tiny", printed, run.stdout

@@ -139,5 +139,9 @@ def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray,
     (m1, w1), (m2, w2) = results[1], results[2]
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-4, abs=1e-6)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-3)
+    # Adam's first step moves each weight by about lr * sign(grad): where a gradient is ~0 the two
+    # worlds' reduction orders can flip its sign (one element in 49k on one CI machine), so the
+    # bound is: almost every weight within 1e-5, none further than two steps of lr.
     for k in w1:
-        np.testing.assert_allclose(w1[k], w2[k], atol=1e-5, err_msg=k)
+        diff = np.abs(w1[k] - w2[k])
+        assert diff.max() <= 2e-3 and (diff > 1e-5).mean() < 1e-3, (k, diff.max(), (diff > 1e-5).sum())

@@ -7,6 +7,8 @@ import pytest
 from actors.core.learner import Learner, LearnerSpec, LossSpec
 
 pytestmark = pytest.mark.slow
+# Measured (AVX2 and default kernels alike): MSE 1.0 at V = 0, 0.35 after 12 steps of lr 1e-3.
+CRITIC_STEPS, CRITIC_MAX_MSE = 12, 0.6
 
 
 def _batch(n=8):
@@ -59,3 +61,20 @@ def test_bf16_with_gradient_checkpointing_trains(learner, tiny_model):
     _, metrics, change = _update_towards_first_half(half)
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
     assert change[:4].sum() > change[4:].sum()
+
+
+def test_critic_fits_the_returns(tiny_model):
+    """The value model starts at V = 0 and, refit each step around its last values (as PPO does),
+    predicts +1 for the first half of `_batch()` and -1 for the second."""
+    from actors.core.critic import Critic
+
+    batch = _batch()
+    returns = (np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]).astype(np.float32)
+    critic = Critic(str(tiny_model[0]), lr=1e-3)
+    assert not critic.values(batch).any(), "the critic must start at V = 0"
+    for _ in range(CRITIC_STEPS):
+        metrics = critic.train_step({**batch, "old_values": critic.values(batch), "returns": returns}, minibatch_size=8)
+    values = critic.values(batch)
+    assert np.isfinite(metrics["value_loss"])
+    assert float(((values - returns) ** 2).mean()) < CRITIC_MAX_MSE, values
+    assert values[:4].mean() > 0.3 > -0.3 > values[4:].mean(), values

@@ -62,7 +62,7 @@ def test_a_warm_start_outside_its_band_goes_on_then_fails_and_caches_nothing(tmp
     )
     lines: list[str] = []
     with pytest.raises(
-        WarmStartError, match=r"did not land in its band \(greedy 20%-60%, sampled >= 45%\) after 2 initialisation"
+        WarmStartError, match=r"did not land in its band \(greedy 20%-60%, sampled >= 50%\) after 2 initialisation"
     ):
         make_tiny(cfg, log=lines.append)
     rounds = [line for line in lines if line.startswith("warm-start SFT")]
