@@ -11,7 +11,7 @@ from actors.common import limit_threads
 @ray.remote(max_restarts=0)
 class ReferenceActor:
     def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 2):
-        from actors.core.scorer import Scorer
+        from actors.core.reference import Scorer
 
         limit_threads(threads)
         self.scorer = Scorer(model_dir, temperature=temperature)

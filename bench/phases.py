@@ -29,7 +29,7 @@ RUNS = {  # column -> (preset, extra overrides)
 
 def run(preset: str, steps: int, out_dir: str, overrides: list[str]) -> list[dict]:
     from pipelines.config import load_config
-    from pipelines.trainer import train
+    from pipelines.rl.trainer import train
 
     cfg = load_config(
         ROOT / "configs" / preset,

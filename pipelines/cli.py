@@ -39,7 +39,7 @@ def _load(args: argparse.Namespace) -> RaypoConfig:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from pipelines.tiny import make_tiny
+    from pipelines.models.tiny import make_tiny
 
     cfg = _load(args)
     path, manifest = make_tiny(cfg.model.tiny, force=args.force)
@@ -48,24 +48,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_model_path(cfg: RaypoConfig) -> Path:
-    """The configured model directory, or the embedded tiny model (built on first use)."""
-    if cfg.model.path:
-        path = Path(cfg.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)")
-        return path
-    from pipelines.tiny import make_tiny
-
-    return make_tiny(cfg.model.tiny)[0]
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelines.config import task_options
-    from pipelines.evaluate import greedy_accuracy
-    from pipelines.tasks import make_task
+    from pipelines.data.evaluate import greedy_accuracy
+    from pipelines.data.tasks import make_task
+    from pipelines.models.resolve import resolve_model_path
 
     cfg = _load(args)
     path = Path(args.model) if args.model else resolve_model_path(cfg)
@@ -79,7 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.trainer import train
+    from pipelines.rl.trainer import train
 
     cfg = _load(args)
     summary = train(cfg, address=args.address, resume=args.resume)

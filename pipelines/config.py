@@ -163,8 +163,8 @@ class AlgoConfig(Strict):
     @field_validator("advantage", "policy_loss")
     @classmethod
     def _registered(cls, name: str, info: ValidationInfo) -> str:
-        from pipelines.advantages import ADVANTAGES
-        from pipelines.losses import POLICY_LOSSES
+        from pipelines.algos.advantages import ADVANTAGES
+        from pipelines.algos.losses import POLICY_LOSSES
 
         registry = ADVANTAGES if info.field_name == "advantage" else POLICY_LOSSES
         try:

@@ -25,7 +25,7 @@ os.environ.setdefault("RAYPO_CACHE", tempfile.mkdtemp(prefix="raypo-test-cache-"
 def tiny_model():
     """(directory, manifest) of the default embedded tiny model."""
     from pipelines.config import TinyModelConfig
-    from pipelines.tiny import make_tiny
+    from pipelines.models.tiny import make_tiny
 
     return make_tiny(TinyModelConfig())
 

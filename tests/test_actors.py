@@ -10,7 +10,7 @@ from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
-from pipelines.tasks import Arithmetic
+from pipelines.data.tasks import Arithmetic
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def batch_ref(rollout, problems):
 
 
 def _with_advantages(batch, scores):
-    from pipelines.advantages import group_advantages
+    from pipelines.algos.advantages import group_advantages
 
     adv = group_advantages(torch.from_numpy(scores).double(), 4, "grpo").float().numpy()
     return {"advantages": (adv[:, None] * batch["response_mask"]).astype(np.float32)}
@@ -76,7 +76,7 @@ def test_reference_logprobs_match_the_rollout_engine(local_ray, tiny_model, batc
 def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, problems):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.evaluate import greedy_complete
+    from pipelines.data.evaluate import greedy_complete
 
     batch = ray.get(batch_ref)
     extra = _with_advantages(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
@@ -102,7 +102,7 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
     world broadcasts gathered weights; both engines then answer as the learner's model does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.evaluate import greedy_complete
+    from pipelines.data.evaluate import greedy_complete
 
     engines = [RolloutActor.options(num_cpus=0.1).remote(str(tiny_model[0])) for _ in range(2)]
     group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), 2, 0.5)

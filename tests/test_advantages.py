@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.advantages import (
+from pipelines.algos.advantages import (
     ADVANTAGES,
     AdvantageBatch,
     AdvantageParams,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.losses import (
+from pipelines.algos.losses import (
     POLICY_LOSSES,
     dpo_loss,
     entropy_from_logits,

@@ -1,7 +1,7 @@
 import json
 
 from pipelines.config import MonitorConfig
-from pipelines.monitor import Alerts, Sinks
+from pipelines.rl.monitor import Alerts, Sinks
 
 
 def _m(step, reward=0.0, **kw):

@@ -71,7 +71,7 @@ def test_model_reward_scores_with_a_sequence_classifier(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from pipelines.tiny import build_tokenizer
+    from pipelines.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(0)

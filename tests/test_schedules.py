@@ -1,6 +1,6 @@
 import pytest
 
-from pipelines.schedules import clip_eps, gae_lambda, group_size
+from pipelines.algos.schedules import clip_eps, gae_lambda, group_size
 
 
 def test_clip_eps_decays_five_percent_every_thousand_steps():
@@ -32,7 +32,7 @@ def test_group_size_grows_ten_percent_per_round():
 
 def test_group_size_at_a_step_follows_the_config():
     from pipelines.config import load_config
-    from pipelines.steps import group_size_at, prompts_at
+    from pipelines.rl.phases import group_size_at, prompts_at
 
     overrides = ["algo.group_growth=0.1", "algo.group_growth_every=100", "algo.group_size_max=10", "training.batch_size=128"]
     cfg = load_config(None, overrides)

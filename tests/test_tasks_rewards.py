@@ -1,7 +1,7 @@
 import pytest
 
-from pipelines.rewards import exact_match, load_reward, score
-from pipelines.tasks import Arithmetic, Reverse, make_task
+from pipelines.data.rewards import exact_match, load_reward, score
+from pipelines.data.tasks import Arithmetic, Reverse, make_task
 
 
 def test_arithmetic_answers_are_exact():

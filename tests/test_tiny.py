@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pipelines.config import ArithmeticTaskConfig, TinyModelConfig, task_options
-from pipelines.tasks import Reverse, make_task
-from pipelines.tiny import CHARACTERS, WarmStartError, build_model, build_tokenizer, make_tiny
+from pipelines.data.tasks import Reverse, make_task
+from pipelines.models.tiny import CHARACTERS, WarmStartError, build_model, build_tokenizer, make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_second_call_reuses_the_cache(tiny_model):
 def test_saved_model_reproduces_the_reported_accuracy(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.evaluate import greedy_accuracy
+    from pipelines.data.evaluate import greedy_accuracy
 
     path, manifest = tiny_model
     cfg = TinyModelConfig()
@@ -100,7 +100,7 @@ def test_saved_model_reproduces_the_reported_accuracy(tiny_model):
 def test_transformers_and_vllm_agree_on_greedy_output(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.evaluate import greedy_complete
+    from pipelines.data.evaluate import greedy_complete
 
     path, _ = tiny_model
     arithmetic = make_task("arithmetic", **task_options(ArithmeticTaskConfig())).sample(48, "heldout", seed=5)
@@ -111,7 +111,7 @@ def test_transformers_and_vllm_agree_on_greedy_output(tiny_model):
 
     env = {**os.environ, "RAYPO_MAX_TOKENS": "8"}
     out = subprocess.run(
-        [sys.executable, "-m", "pipelines.vllm_engine", str(path), *prompts],
+        [sys.executable, "-m", "pipelines.models.vllm_engine", str(path), *prompts],
         capture_output=True,
         text=True,
         env=env,

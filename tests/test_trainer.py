@@ -11,7 +11,7 @@ import ray
 from safetensors.numpy import load_file
 
 from pipelines.config import load_config
-from pipelines.trainer import TrainingError, train
+from pipelines.rl.trainer import TrainingError, train
 
 pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -33,8 +33,8 @@ def local_ray():
 def _transformers_accuracy(model_dir, problems: int) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.evaluate import greedy_accuracy
-    from pipelines.tasks import Arithmetic
+    from pipelines.data.evaluate import greedy_accuracy
+    from pipelines.data.tasks import Arithmetic
 
     heldout = Arithmetic(operators="+").sample(problems, "heldout", 0)
     return greedy_accuracy(AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir), heldout)

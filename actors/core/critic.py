@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from actors.core.learner import sequence_tensors
-from pipelines.losses import value_loss
+from pipelines.algos.losses import value_loss
 
 
 class ValueModel(nn.Module):

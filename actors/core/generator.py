@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipelines.vllm_engine import make_llm
+from pipelines.models.vllm_engine import make_llm
 
 
 class Generator:
@@ -88,7 +88,7 @@ class Generator:
         return batch
 
     def greedy(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
-        from pipelines.vllm_engine import greedy
+        from pipelines.models.vllm_engine import greedy
 
         return greedy(self.llm, prompts, max_tokens)
 

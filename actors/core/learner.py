@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.losses import POLICY_LOSSES, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_aggregate
+from pipelines.algos.losses import POLICY_LOSSES, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_aggregate
 
 STEP_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.rewards import RewardFn, load_reward, score
+from pipelines.data.rewards import RewardFn, load_reward, score
 
 
 class RewardError(RuntimeError):

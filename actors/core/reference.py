@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from actors.core.learner import response_logits, sequence_tensors
-from pipelines.losses import logprobs_from_logits
+from pipelines.algos.losses import logprobs_from_logits
 
 
 class Scorer:

@@ -4,7 +4,7 @@ On CPU the engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with a sm
 on GPU it takes `gpu_memory_fraction` of the device. vLLM is imported only when an engine is
 made, so importing this module stays cheap.
 
-`python -m pipelines.vllm_engine MODEL_DIR PROMPT...` prints vLLM's greedy continuations as
+`python -m pipelines.models.vllm_engine MODEL_DIR PROMPT...` prints vLLM's greedy continuations as
 JSON: a separate process, as vLLM wants to be created under `__main__` or inside an actor.
 """
 
@@ -63,7 +63,7 @@ def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m pipelines.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)", file=sys.stderr)
+        print("usage: python -m pipelines.models.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)", file=sys.stderr)
         return 2
     llm = make_llm(argv[0])
     texts = greedy(llm, argv[1:], int(os.environ.get("RAYPO_MAX_TOKENS", "8")))

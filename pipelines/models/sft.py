@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipelines.config import TinyModelConfig, task_options
-from pipelines.tasks import Problem, make_task
+from pipelines.data.tasks import Problem, make_task
 
 IGNORE_INDEX = -100
 
@@ -40,7 +40,7 @@ def sft_targets(problems: Sequence[Problem], slip_share: float, seed: int) -> li
     """The answer each problem is trained on: its slip (a systematic error, e.g. a dropped
     carry) for a seeded `slip_share` of the problems that have one, the right answer otherwise.
 
-    >>> from pipelines.tasks import Problem
+    >>> from pipelines.data.tasks import Problem
     >>> sft_targets([Problem("47+38=", "85", "75"), Problem("12+7=", "19", "19")], 1.0, 0)
     ['75', '19']
     """

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelines.config import RaypoConfig, task_options
-from pipelines.grpo import grpo_step
-from pipelines.monitor import Alerts, Sinks
-from pipelines.ppo import ppo_step
+from pipelines.rl.grpo import grpo_step
+from pipelines.rl.monitor import Alerts, Sinks
+from pipelines.rl.ppo import ppo_step
 from pipelines.registry import Registry
-from pipelines.steps import ResourceFitError, Roles, build_roles, check_fits, prompts_at, sync_weights
-from pipelines.tasks import Problem, make_task
+from pipelines.rl.phases import ResourceFitError, Roles, build_roles, check_fits, prompts_at, sync_weights
+from pipelines.data.tasks import Problem, make_task
 
 MetricsCallback = Callable[[dict], None]
 PIPELINES: Registry[Callable] = Registry("algorithm pipeline")
@@ -231,7 +231,7 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     import ray
     import ray.exceptions as rex
 
-    from pipelines.cli import resolve_model_path
+    from pipelines.models.resolve import resolve_model_path
 
     model_dir = resolve_model_path(cfg)
     started_ray = False

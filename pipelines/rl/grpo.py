@@ -7,8 +7,8 @@ generate G samples per prompt -> reward -> reference log-probs -> group advantag
 from __future__ import annotations
 
 from pipelines.config import RaypoConfig
-from pipelines.steps import Phases, Roles, learn_and_sync, prepare, rollout_and_score
-from pipelines.tasks import Problem
+from pipelines.rl.phases import Phases, Roles, learn_and_sync, prepare, rollout_and_score
+from pipelines.data.tasks import Problem
 
 
 def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:

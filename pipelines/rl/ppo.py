@@ -7,9 +7,9 @@ generate -> reward -> reference log-probs and values -> GAE -> learn policy and 
 from __future__ import annotations
 
 from pipelines.config import RaypoConfig
-from pipelines.schedules import gae_lambda
-from pipelines.steps import Phases, Roles, learn_and_sync, prepare, rollout_and_score
-from pipelines.tasks import Problem
+from pipelines.algos.schedules import gae_lambda
+from pipelines.rl.phases import Phases, Roles, learn_and_sync, prepare, rollout_and_score
+from pipelines.data.tasks import Problem
 
 
 def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:

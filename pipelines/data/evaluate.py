@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pipelines.rewards import exact_match
-from pipelines.tasks import Problem
+from pipelines.data.rewards import exact_match
+from pipelines.data.tasks import Problem
 
 
 @torch.no_grad()

@@ -101,7 +101,7 @@ class BandCheck:
 
 def check_band(model, tokenizer, problems: list, band: WarmStartBand, seed: int) -> BandCheck:
     """Greedy and sampling accuracy on the check problems, and whether both lie in `band`."""
-    from pipelines.evaluate import greedy_accuracy, sampled_accuracy
+    from pipelines.data.evaluate import greedy_accuracy, sampled_accuracy
 
     greedy = greedy_accuracy(model, tokenizer, problems)
     sampled = sampled_accuracy(model, tokenizer, problems, band.samples, band.temperature, seed)
@@ -118,7 +118,7 @@ def warm_start(cfg: TinyModelConfig, tokenizer, train: list, check_problems: lis
     the first SFT round, up to `band.extra_rounds` more, and up to `band.attempts` fresh
     initialisations. Returns the model, the check that passed, and the history of checks;
     raises WarmStartError when none passed."""
-    from pipelines.sft import sft_train
+    from pipelines.models.sft import sft_train
 
     band = cfg.band
     history: list[dict] = []
@@ -176,8 +176,8 @@ def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], No
 
     import torch
 
-    from pipelines.evaluate import greedy_accuracy
-    from pipelines.sft import sft_problems
+    from pipelines.data.evaluate import greedy_accuracy
+    from pipelines.models.sft import sft_problems
 
     started = time.monotonic()
     torch.manual_seed(cfg.seed)

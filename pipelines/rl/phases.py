@@ -1,7 +1,7 @@
 """The shared steps of an RL pipeline, and the actors (roles) they drive.
 
 Every step takes and returns ObjectRefs; the driver waits on them (without fetching) only to
-time each phase. Algorithms (pipelines/grpo.py, pipelines/ppo.py) compose these steps.
+time each phase. Algorithms (pipelines/rl/grpo.py, pipelines/rl/ppo.py) compose these steps.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from actors.common import cpu_shortfall
 from pipelines.config import RaypoConfig
-from pipelines.schedules import clip_eps, group_size
-from pipelines.tasks import Problem
+from pipelines.algos.schedules import clip_eps, group_size
+from pipelines.data.tasks import Problem
 
 
 def actor_name(cfg: RaypoConfig, role: str) -> str:
@@ -306,7 +306,7 @@ def prepare_experience(
     Runs as a Ray task next to the data, never in the driver."""
     import torch
 
-    from pipelines.advantages import ADVANTAGES, AdvantageBatch, AdvantageParams
+    from pipelines.algos.advantages import ADVANTAGES, AdvantageBatch, AdvantageParams
 
     mask = torch.from_numpy(batch["response_mask"])
     inputs = AdvantageBatch(

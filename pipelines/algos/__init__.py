@@ -1,0 +1,1 @@
+"""Algorithms as pure torch functions: advantage estimators, losses, schedules. No Ray, no actors."""

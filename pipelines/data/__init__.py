@@ -1,0 +1,1 @@
+"""Verifiable tasks, reward functions and answer checking. No Ray, no actors."""
