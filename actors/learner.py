@@ -11,14 +11,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.common import limit_threads
-from actors.core.learner import LearnerSpec, LossSpec
+from actors.core.learner import Learner, LearnerSpec
+from actors.group import ActorGroup
+from pipelines.algos.losses import LossSpec
 
 
 @ray.remote(max_restarts=0)
 class LearnerActor:
     def __init__(self, threads: int = 1):
         limit_threads(threads)
-        self.learner = None
+        self.learner: Learner | None = None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group."""
@@ -28,15 +30,13 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def init(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-        from actors.core.learner import Learner
-
         self.learner = Learner(spec, rank, world_size, master_addr, master_port)
 
     def train_step(
-        self, batch: dict[str, np.ndarray], extra: dict[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int
+        self, batch: dict[str, np.ndarray], targets: dict[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int
     ) -> dict[str, float]:
-        """One policy update; `extra` holds the step's advantages and reference log-probs."""
-        return self.learner.train_step({**batch, **extra}, loss, minibatch_size, epochs)
+        """One policy update; `targets` holds the step's advantages and reference log-probs."""
+        return self.learner.train_step({**batch, **targets}, loss, minibatch_size, epochs)
 
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         return self.learner.logprobs(batch)
@@ -60,8 +60,9 @@ class LearnerActor:
         self.learner.load_checkpoint(out_dir)
 
 
-class LearnerGroup:
-    """Creates the placement group and the learners, and wires them into one world."""
+class LearnerGroup(ActorGroup):
+    """Creates the placement group and the learners, and wires them into one world.
+    Drive them with `run` / `run_async` (every rank must take part in each call)."""
 
     def __init__(self, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, accelerator_type: str | None = None):
         bundle = {"CPU": cpus_per_learner}
@@ -71,51 +72,25 @@ class LearnerGroup:
             bundle[f"accelerator_type:{accelerator_type}"] = 0.001
         self.pg = placement_group([dict(bundle) for _ in range(num_learners)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
-        self.actors = [
+        super().__init__(
             LearnerActor.options(
                 num_cpus=cpus_per_learner,
                 num_gpus=1 if spec.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote(threads=max(1, int(cpus_per_learner)))
             for i in range(num_learners)
-        ]
-        addr, port = ray.get(self.actors[0].address.remote())
+        )
+        addr, port = self.address()
         ray.get([a.init.remote(spec, rank, num_learners, addr, port) for rank, a in enumerate(self.actors)])
 
-    def train_step(self, batch_ref, extra_ref, loss: LossSpec, minibatch_size: int, epochs: int) -> dict[str, float]:
-        metrics = ray.get([a.train_step.remote(batch_ref, extra_ref, loss, minibatch_size, epochs) for a in self.actors])
-        return metrics[0]  # identical on every rank
+    def address(self) -> tuple[str, int]:
+        """An address on rank 0's node with a free port, to host a process group there."""
+        return ray.get(self.actors[0].address.remote())
 
-    def state_dict_ref(self):
+    def state_dict_ref(self) -> ray.ObjectRef:
         """A ref to the full weights; every rank takes part (ZeRO-3 gathers), rank 0's is used."""
-        refs = [a.state_dict.remote() for a in self.actors]
-        return refs[0]
-
-    def open_weight_sync(self, rollouts: list, backend: str) -> None:
-        """Form the weight-sync group: learner rank 0 and every rollout engine."""
-        host, port = ray.get(self.actors[0].address.remote())
-        world = 1 + len(rollouts)
-        learners = [a.open_weight_sync.remote(host, port, world, backend) for a in self.actors]
-        engines = [r.open_weight_sync.remote(host, port, i + 1, world, backend) for i, r in enumerate(rollouts)]
-        self.sync_layout = ray.get(learners)[0]
-        ray.get(engines)
-
-    def broadcast_weights(self, rollouts: list, version: int) -> None:
-        """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
-        sends = [a.broadcast_weights.remote() for a in self.actors]
-        loads = [r.receive_weights.remote(self.sync_layout, version) for r in rollouts]
-        ray.get(sends + loads)
-
-    def save_pretrained(self, out_dir: str) -> None:
-        ray.get([a.save_pretrained.remote(out_dir) for a in self.actors])
-
-    def save_checkpoint(self, out_dir: str) -> None:
-        ray.get([a.save_checkpoint.remote(out_dir) for a in self.actors])
-
-    def load_checkpoint(self, out_dir: str) -> None:
-        ray.get([a.load_checkpoint.remote(out_dir) for a in self.actors])
+        return self.run_async("state_dict")[0]
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
+        self.kill()
         remove_placement_group(self.pg)

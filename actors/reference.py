@@ -6,15 +6,14 @@ import numpy as np
 import ray
 
 from actors.common import limit_threads
+from actors.core.reference import ReferenceScorer
 
 
 @ray.remote(max_restarts=0)
 class ReferenceActor:
     def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 2):
-        from actors.core.reference import Scorer
-
         limit_threads(threads)
-        self.scorer = Scorer(model_dir, temperature=temperature)
+        self.scorer = ReferenceScorer(model_dir, temperature=temperature)
 
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """`[N, T]` reference log-probs of the batch's response tokens."""

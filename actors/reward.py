@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
+from actors.core.reward import RewardScorer
+
 
 @ray.remote(max_restarts=0)
 class RewardActor:
     def __init__(self, terms: Sequence[tuple[str, float]], normalize: bool, value_range: tuple[float, float]):
-        from actors.core.reward import RewardScorer
-
         self.scorer = RewardScorer(terms, normalize=normalize, value_range=value_range)
 
     def score(self, batch: dict[str, np.ndarray], answers: Sequence[str | None]) -> np.ndarray:

@@ -8,14 +8,13 @@ import numpy as np
 import ray
 
 from actors.common import limit_threads
+from actors.core.generator import Generator
 
 
 @ray.remote(max_restarts=0)
 class RolloutActor:
     def __init__(self, model_dir: str, threads: int = 2, **engine):
         """`engine`: the `Generator`'s options (dtype, seed, max_model_len, gpu_memory_fraction)."""
-        from actors.core.generator import Generator
-
         limit_threads(threads)
         self.generator = Generator(model_dir, **engine)
 

@@ -6,13 +6,12 @@ import numpy as np
 import ray
 
 from actors.common import limit_threads
+from actors.core.critic import Critic
 
 
 @ray.remote(max_restarts=0)
 class ValueActor:
     def __init__(self, model_dir: str, lr: float, grad_clip: float, clip: float, seed: int = 0, threads: int = 2):
-        from actors.core.critic import Critic
-
         limit_threads(threads)
         self.critic = Critic(model_dir, lr=lr, grad_clip=grad_clip, clip=clip, seed=seed)
 
@@ -20,9 +19,9 @@ class ValueActor:
         """`[N, T]` value estimates for the batch's response positions."""
         return self.critic.values(batch)
 
-    def train_step(self, batch: dict[str, np.ndarray], extra: dict[str, np.ndarray], minibatch_size: int, epochs: int) -> dict:
-        """Clipped value-loss update towards `extra["returns"]` around `extra["old_values"]`."""
-        return self.critic.train_step({**batch, **extra}, minibatch_size, epochs)
+    def train_step(self, batch: dict[str, np.ndarray], targets: dict[str, np.ndarray], minibatch_size: int, epochs: int) -> dict:
+        """Clipped value-loss update towards `targets["returns"]` around `targets["old_values"]`."""
+        return self.critic.train_step({**batch, **targets}, minibatch_size, epochs)
 
     def save(self, out_dir: str) -> None:
         self.critic.save(out_dir)

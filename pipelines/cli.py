@@ -1,4 +1,8 @@
-"""The `raypo` command line: one sub-command per job, each a thin call into pipelines."""
+"""The `raypo` command line: one sub-command per job, each a thin call into pipelines.
+
+Each command imports what it runs inside its own function: torch, transformers, Ray and vLLM
+take seconds to import, and `raypo --help` or `raypo show-config` need none of them.
+"""
 
 from __future__ import annotations
 
@@ -51,15 +55,14 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.config import task_options
     from pipelines.data.evaluate import greedy_accuracy
-    from pipelines.data.tasks import make_task
+    from pipelines.data.tasks import task_from_config
     from pipelines.models.resolve import resolve_model_path
 
     cfg = _load(args)
     path = Path(args.model) if args.model else resolve_model_path(cfg)
     task_cfg = cfg.task.task
-    problems = make_task(task_cfg.name, **task_options(task_cfg)).sample(cfg.task.eval_problems, "heldout", cfg.seed)
+    problems = task_from_config(task_cfg).sample(cfg.task.eval_problems, "heldout", cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     accuracy = greedy_accuracy(model, tokenizer, problems)

@@ -1,7 +1,8 @@
 """One typed config tree for raypo: pydantic v2 models, frozen after load.
 
 Read from a YAML file with dotted overrides (`--set algo.clip_eps=0.1`). Unknown keys and bad
-values fail with a `ConfigError` naming the dotted key. The seeds' own `config.yaml` shape
+values fail with a `ConfigError` naming the dotted key, and so do combinations that cannot run
+(`algo.name=ppo` with `algo.advantage=grpo`), naming both keys. The seeds' own `config.yaml` shape
 (`training.group_size`, `training.gamma`, `training.clip_range`, `resource.cpu_affinity:
 [0-15]`) loads as-is: those training keys are read into `algo`.
 """
@@ -39,10 +40,6 @@ class ReverseTaskConfig(Strict):
 
 
 TaskConfig = Annotated[ArithmeticTaskConfig | ReverseTaskConfig, Field(discriminator="name")]
-
-
-def task_options(task: ArithmeticTaskConfig | ReverseTaskConfig) -> dict[str, Any]:
-    return task.model_dump(exclude={"name"})
 
 
 # ----------------------------------------------------------------------------- model
@@ -133,11 +130,22 @@ class RewardConfig(Strict):
 # ----------------------------------------------------------------------------- algorithm
 AggregateMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
+# What each algorithm sets when the config leaves it out; `AlgoConfig._fits_the_algorithm` checks what it sets.
+ALGORITHM_DEFAULTS: dict[str, dict[str, str]] = {
+    "grpo": {"advantage": "grpo", "policy_loss": "ppo"},
+    "gspo": {"advantage": "grpo", "policy_loss": "gspo"},  # GRPO's pipeline with GSPO's sequence-level ratio
+    "ppo": {"advantage": "gae", "policy_loss": "ppo"},
+}
+
 
 class AlgoConfig(Strict):
-    name: Literal["grpo", "ppo", "gspo", "dpo"] = Field("grpo", description="the algorithm to run")
-    advantage: str = Field("grpo", description="advantage estimator: gae, grpo, dr_grpo, rloo, reinforce_baseline")
-    policy_loss: str = Field("ppo", description="policy loss: ppo (token ratio) or gspo (sequence ratio)")
+    name: Literal["grpo", "ppo", "gspo", "dpo"] = Field(
+        "grpo", description="the algorithm to run; it sets advantage and policy_loss when they are left out"
+    )
+    advantage: str = Field(
+        "grpo", description="advantage estimator: gae (ppo), grpo, dr_grpo, rloo, reinforce_baseline (grpo, gspo)"
+    )
+    policy_loss: str = Field("ppo", description="policy loss: ppo (token ratio) or gspo (sequence ratio; algo.name=gspo)")
     aggregate: AggregateMode = Field("token-mean", description="loss reduction over tokens and sequences")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (lower side)")
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip range; empty = clip_eps")
@@ -151,7 +159,6 @@ class AlgoConfig(Strict):
     group_growth: float = Field(0.0, ge=0, description="group size grows by this share per round (seeds: 0.10)")
     group_size_max: int | None = Field(None, ge=1, description="cap on the grown group size")
     group_growth_every: int = Field(100, ge=1, description="steps per round of group-size growth")
-    value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
     value_clip: float = Field(0.5, gt=0, description="value clip range")
     entropy_coef: float = Field(0.01, ge=0, description="weight of the entropy bonus")
     kl_coef: float = Field(0.001, ge=0, description="weight of the KL penalty to the reference model")
@@ -160,9 +167,18 @@ class AlgoConfig(Strict):
     dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {**ALGORITHM_DEFAULTS.get(data.get("name", "grpo"), {}), **data}
+
     @field_validator("advantage", "policy_loss")
     @classmethod
     def _registered(cls, name: str, info: ValidationInfo) -> str:
+        # Here, not at the top: the registries live with torch code, and loading a config
+        # (`raypo --help`, `raypo show-config`) should not import torch unless it validates one.
         from pipelines.algos.advantages import ADVANTAGES
         from pipelines.algos.losses import POLICY_LOSSES
 
@@ -173,9 +189,30 @@ class AlgoConfig(Strict):
             raise ValueError(err.args[0]) from None
         return name
 
+    @model_validator(mode="after")
+    def _fits_the_algorithm(self):
+        pair = f"algo.name={self.name} with algo.advantage={self.advantage}"
+        if self.name == "dpo":
+            raise ValueError("algo.name=dpo has no training pipeline yet (only its loss is built); use grpo, gspo or ppo")
+        if self.name == "ppo" and self.advantage != "gae":
+            raise ValueError(f"{pair}: PPO trains a critic for GAE advantages; use algo.advantage=gae, or algo.name=grpo")
+        if self.name in ("grpo", "gspo") and self.advantage == "gae":
+            raise ValueError(f"{pair}: {self.name} has no critic, and GAE needs one; use algo.name=ppo, or a group advantage")
+        if self.name == "gspo" and self.policy_loss != "gspo":
+            raise ValueError(
+                f"algo.name=gspo with algo.policy_loss={self.policy_loss}: GSPO is GRPO with the gspo policy loss; "
+                "leave algo.policy_loss out, or use algo.name=grpo"
+            )
+        return self
+
     @property
     def clip_high(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the run trains a value model (PPO's GAE advantages need one)."""
+        return self.advantage == "gae"
 
 
 # ----------------------------------------------------------------------------- training, inference, resources
@@ -199,7 +236,10 @@ class InferenceConfig(Strict):
 
 class ResourceConfig(Strict):
     gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="share of accelerator memory vLLM may take")
-    cpu_affinity: list[int] = Field(default_factory=list, description="CPU cores to pin to; accepts ranges such as [0-15]")
+    cpu_affinity: list[int] = Field(
+        default_factory=list,
+        description="CPU cores the driver, and the local Ray it starts, run on (empty = all); ranges such as [0-15]",
+    )
     use_gpu: bool = Field(False, description="place learners/rollout on GPUs")
     num_rollout_workers: int = Field(1, ge=1, description="rollout actors (vLLM engines)")
     num_learners: int = Field(1, ge=1, description="learner actors in one torch.distributed world")

@@ -5,11 +5,15 @@ import pytest
 import ray
 import torch
 
-from actors.core.learner import LearnerSpec, LossSpec
+from actors.core.learner import LearnerSpec
 from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
+from actors.weight_sync import BroadcastSync
+from pipelines.algos.advantages import group_advantages
+from pipelines.algos.losses import LossSpec
+from pipelines.data.evaluate import greedy_complete
 from pipelines.data.tasks import Arithmetic
 
 pytestmark = pytest.mark.slow
@@ -39,9 +43,7 @@ def batch_ref(rollout, problems):
     return rollout.generate.remote([p.prompt for p in problems], 4, 1.0, 1.0, 8, 7)
 
 
-def _with_advantages(batch, scores):
-    from pipelines.algos.advantages import group_advantages
-
+def _targets(batch, scores):
     adv = group_advantages(torch.from_numpy(scores).double(), 4, "grpo").float().numpy()
     return {"advantages": (adv[:, None] * batch["response_mask"]).astype(np.float32)}
 
@@ -76,14 +78,12 @@ def test_reference_logprobs_match_the_rollout_engine(local_ray, tiny_model, batc
 def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, problems):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.data.evaluate import greedy_complete
-
     batch = ray.get(batch_ref)
-    extra = _with_advantages(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
+    targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
     group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5)
     before = ray.get(group.state_dict_ref())
     for _ in range(3):
-        group.train_step(batch_ref, extra, LossSpec(), minibatch_size=16, epochs=1)
+        group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=16, epochs=1)
     weights_ref = group.state_dict_ref()
     after = ray.get(weights_ref)
     assert any(not np.array_equal(before[k], after[k]) for k in before), "the learner's parameters did not move"
@@ -102,16 +102,14 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
     world broadcasts gathered weights; both engines then answer as the learner's model does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.data.evaluate import greedy_complete
-
     engines = [RolloutActor.options(num_cpus=0.1).remote(str(tiny_model[0])) for _ in range(2)]
     group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), 2, 0.5)
-    group.open_weight_sync(engines, backend="gloo")
+    sync = BroadcastSync(group, engines, backend="gloo")
     batch = ray.get(batch_ref)
-    extra = _with_advantages(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
+    targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
     for _ in range(3):
-        group.train_step(batch_ref, extra, LossSpec(), minibatch_size=16, epochs=1)
-    group.broadcast_weights(engines, version=3)
+        group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=16, epochs=1)
+    sync.push(version=3)
     trained = ray.get(group.state_dict_ref())
     model = AutoModelForCausalLM.from_pretrained(tiny_model[0])
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -129,11 +127,11 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
 def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray, tiny_model, batch_ref):
     batch = ray.get(batch_ref)
     scores = (np.arange(len(batch["response_ids"])) % 3 == 0).astype(np.float32)
-    extra = _with_advantages(batch, scores)
+    targets = _targets(batch, scores)
     results = {}
     for world, stage in ((1, 0), (2, 2)):
         group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=stage), world, 0.5)
-        metrics = group.train_step(batch_ref, extra, LossSpec(), minibatch_size=32, epochs=1)
+        metrics = group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=32, epochs=1)[0]
         results[world] = (metrics, ray.get(group.state_dict_ref()))
         group.shutdown()
     (m1, w1), (m2, w2) = results[1], results[2]

@@ -10,7 +10,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_defaults_follow_the_seeds():
     cfg = RaypoConfig()
     assert (cfg.algo.gamma, cfg.algo.lam, cfg.algo.clip_eps) == (0.99, 0.95, 0.2)
-    assert (cfg.algo.value_coef, cfg.algo.entropy_coef, cfg.algo.kl_coef) == (0.5, 0.01, 0.001)
+    assert (cfg.algo.entropy_coef, cfg.algo.kl_coef) == (0.01, 0.001)
     assert (cfg.training.grad_clip, cfg.training.lr) == (1.0, 3e-5)
     assert (cfg.monitor.grad_norm_alert, cfg.monitor.kl_alert) == (1.5, 0.02)
     assert cfg.reward.normalize is True

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.config import ArithmeticTaskConfig, TinyModelConfig, task_options
-from pipelines.data.tasks import Reverse, make_task
+from pipelines.config import ArithmeticTaskConfig, TinyModelConfig
+from pipelines.data.tasks import Reverse, task_from_config
 from pipelines.models.tiny import CHARACTERS, WarmStartError, build_model, build_tokenizer, make_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,8 +89,7 @@ def test_saved_model_reproduces_the_reported_accuracy(tiny_model):
 
     path, manifest = tiny_model
     cfg = TinyModelConfig()
-    first = cfg.sft_tasks[0]
-    heldout = make_task(first.name, **task_options(first)).sample(cfg.heldout_problems, "heldout", cfg.seed)
+    heldout = task_from_config(cfg.sft_tasks[0]).sample(cfg.heldout_problems, "heldout", cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert greedy_accuracy(model, tokenizer, heldout) == pytest.approx(manifest["heldout_accuracy"])
@@ -103,7 +102,7 @@ def test_transformers_and_vllm_agree_on_greedy_output(tiny_model):
     from pipelines.data.evaluate import greedy_complete
 
     path, _ = tiny_model
-    arithmetic = make_task("arithmetic", **task_options(ArithmeticTaskConfig())).sample(48, "heldout", seed=5)
+    arithmetic = task_from_config(ArithmeticTaskConfig()).sample(48, "heldout", seed=5)
     prompts = [p.prompt for p in arithmetic] + [p.prompt for p in Reverse().sample(16, "heldout", seed=5)]
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from actors.core.minibatch import minibatch_rows
+
 
 def to_record_batch(columns: Mapping[str, np.ndarray]) -> pa.RecordBatch:
     """numpy columns (1-D, or 2-D `[N, W]`) -> one Arrow record batch of N rows."""
@@ -77,9 +79,7 @@ class Buffer:
     def minibatches(self, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
         """The latest step's rows, shuffled with `seed`, in minibatches of `size` rows."""
         data = self.latest()
-        n = len(next(iter(data.values())))
-        order = np.random.default_rng(seed).permutation(n)
-        return [{k: v[order[i : i + size]] for k, v in data.items()} for i in range(0, n, size)]
+        return [{k: v[rows] for k, v in data.items()} for rows in minibatch_rows(len(next(iter(data.values()))), size, seed)]
 
     def spill(self, path: str | Path) -> Path:
         """Write the latest step to Parquet (zstd) at `path`."""

@@ -11,17 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoModel
 
-from actors.core.learner import sequence_tensors
+from actors.core.minibatch import minibatch_rows
+from actors.core.modeling import sequence_tensors
 from pipelines.algos.losses import value_loss
 
 
 class ValueModel(nn.Module):
     def __init__(self, model_dir: str):
         super().__init__()
-        from transformers import AutoModel
-
         self.backbone = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
         self.head = nn.Linear(self.backbone.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # start at V = 0: no made-up baseline before training
@@ -55,40 +56,32 @@ class Critic:
     def train_step(self, batch: Mapping[str, np.ndarray], minibatch_size: int, epochs: int = 1) -> dict[str, float]:
         """Fit the values to `returns` (clipped around `old_values`); metrics averaged over minibatches."""
         self.model.train()
-        n = len(batch["response_ids"])
-        order = np.random.default_rng(self.seed + self.steps_done).permutation(n)
         totals = {"value_loss": 0.0, "value_mse": 0.0, "value_clip_fraction": 0.0}
         count = 0
-        for _ in range(epochs):
-            for start in range(0, n, minibatch_size):
-                rows = order[start : start + minibatch_size]
-                inputs = sequence_tensors(batch, rows)
-                values = self.model(inputs)
-                old = torch.from_numpy(batch["old_values"][rows])
-                returns = torch.from_numpy(batch["returns"][rows])
-                loss, metrics = value_loss(values, old, returns, inputs["response_mask"], clip=self.clip)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-                self.optimizer.step()
-                totals["value_loss"] += loss.item()
-                totals["value_mse"] += metrics["value_mse"]
-                totals["value_clip_fraction"] += metrics["value_clip_fraction"]
-                count += 1
+        for rows in minibatch_rows(len(batch["response_ids"]), minibatch_size, self.seed + self.steps_done, epochs):
+            inputs = sequence_tensors(batch, rows)
+            values = self.model(inputs)
+            old = torch.from_numpy(batch["old_values"][rows])
+            returns = torch.from_numpy(batch["returns"][rows])
+            loss, metrics = value_loss(values, old, returns, inputs["response_mask"], clip=self.clip)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            totals["value_loss"] += loss.item()
+            totals["value_mse"] += metrics["value_mse"]
+            totals["value_clip_fraction"] += metrics["value_clip_fraction"]
+            count += 1
         self.steps_done += 1
         return {k: v / count for k, v in totals.items()}
 
     def save(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(out_dir / "critic.safetensors"))
         torch.save({"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}, out_dir / "critic_optim.pt")
 
     def load(self, out_dir: str | Path) -> None:
-        from safetensors.torch import load_file
-
         out_dir = Path(out_dir)
         self.model.load_state_dict(load_file(str(out_dir / "critic.safetensors")))
         state = torch.load(out_dir / "critic_optim.pt", weights_only=True)

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipelines.models.vllm_engine import make_llm
+from actors.core.weight_sync import open_group, receive, tensors_from_arrays
+from pipelines.models.vllm_engine import greedy, make_llm
 
 
 class Generator:
@@ -51,7 +52,7 @@ class Generator:
         `behaviour_logprobs` [N, T] float32, `prompt_index` [N]; and object arrays
         `prompt_text`, `response_text`, `finished` (stopped by EOS rather than length).
         """
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # heavy: imported in the engine's process only
 
         params = SamplingParams(
             n=n,
@@ -88,8 +89,6 @@ class Generator:
         return batch
 
     def greedy(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
-        from pipelines.models.vllm_engine import greedy
-
         return greedy(self.llm, prompts, max_tokens)
 
     def open_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
@@ -97,8 +96,6 @@ class Generator:
         worker, where the model lives, so received tensors land on its device directly."""
 
         def join(worker):
-            from actors.core.weight_sync import open_group
-
             worker.raypo_weight_group = open_group(host, port, rank, world_size, backend)
 
         self.llm.collective_rpc(join)
@@ -107,8 +104,6 @@ class Generator:
         """Receive the weights learner rank 0 broadcasts now, and load them in place."""
 
         def load(worker):
-            from actors.core.weight_sync import receive
-
             tensors = receive(worker.raypo_weight_group, layout, getattr(worker, "device", "cpu"))
             worker.model_runner.reload_weights(weights_iterator=tensors)
 
@@ -122,15 +117,7 @@ class Generator:
 
     def update_weights(self, state: Mapping[str, np.ndarray], version: int | None = None) -> int:
         """Load `state` (parameter name -> array, Hugging Face names) into the engine in place."""
-        import warnings
-
-        import torch
-
-        with warnings.catch_warnings():
-            # Arrays from the object store are read-only; vLLM copies them into its own
-            # parameters and never writes through these views.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = [(name, torch.from_numpy(np.asarray(value))) for name, value in state.items()]
+        tensors = tensors_from_arrays(state)
 
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=iter(tensors))

@@ -16,8 +16,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipelines.algos.losses import POLICY_LOSSES, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_aggregate
+from actors.core.minibatch import minibatch_rows
+from actors.core.modeling import response_logits, sequence_tensors
+from actors.core.weight_sync import layout_of, open_group, send
+from pipelines.algos.losses import (
+    POLICY_LOSSES,
+    LossSpec,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_aggregate,
+)
 
 STEP_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
 
@@ -38,55 +50,11 @@ class LearnerSpec:
     use_gpu: bool = False
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """The loss of one policy update, from `algo` config and the step's schedules."""
-
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    aggregate: str = "token-mean"
-    kl_coef: float = 0.001
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.01
-
-
-def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
-    """Model inputs for `rows` of a batch: prompt (left-padded) + response (right-padded).
-
-    input_ids, attention_mask, position_ids: `[n, P + T]`; response_ids, response_mask: `[n, T]`.
-    Positions count real tokens only, so a left-padded prompt starts at position 0 as in vLLM.
-    """
-    prompt_ids = torch.from_numpy(batch["prompt_ids"][rows])
-    prompt_mask = torch.from_numpy(batch["prompt_mask"][rows])
-    response_ids = torch.from_numpy(batch["response_ids"][rows])
-    response_mask = torch.from_numpy(batch["response_mask"][rows])
-    attention = torch.cat([prompt_mask, response_mask], dim=1)  # [n, P + T]
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    return {
-        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
-        "attention_mask": attention,
-        "position_ids": positions,
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-    }
-
-
-def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """Logits that predict each response token: `[n, P + T, V]` -> `[n, T, V]`, divided by the
-    sampling temperature so log-probs match the behaviour policy's."""
-    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
-    T = inputs["response_ids"].shape[1]
-    P = inputs["input_ids"].shape[1] - T
-    return out.logits[:, P - 1 : P - 1 + T].float() / temperature  # position P-1 predicts response token 0
-
-
 class Learner:
     def __init__(
         self, spec: LearnerSpec, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 29500
     ):
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+        import deepspeed  # heavy (JIT-built ops): only a learner process loads it
 
         self.spec, self.rank, self.world_size = spec, rank, world_size
         os.environ.update(
@@ -137,17 +105,12 @@ class Learner:
     ) -> dict[str, float]:
         """Policy update on a step's experience: `epochs` passes of minibatches, one optimizer step each.
 
-        Needs `advantages` and `behaviour_logprobs` `[N, T]`; `ref_logprobs` when kl_coef > 0.
+        Needs `advantages` and `behaviour_logprobs` `[N, T]`; `reference_logprobs` when kl_coef > 0.
         Returns metrics averaged over the minibatches (and identical on every rank).
         """
         self.engine.train()
-        n = len(batch["response_ids"])
-        order = np.random.default_rng(self.spec.seed + self.steps_done).permutation(n)
-        results = [
-            self._minibatch_step(batch, order[start : start + minibatch_size], loss)
-            for _ in range(epochs)
-            for start in range(0, n, minibatch_size)
-        ]
+        batches = minibatch_rows(len(batch["response_ids"]), minibatch_size, self.spec.seed + self.steps_done, epochs)
+        results = [self._minibatch_step(batch, rows, loss) for rows in batches]
         self.steps_done += 1
         done = [r for r in results if r["update_success"]] or results  # skipped updates report no metrics
         out = {key: sum(r[key] for r in done) / len(done) for key in done[0]}
@@ -183,8 +146,8 @@ class Learner:
         entropy = masked_aggregate(entropy_from_logits(logits), mask, spec.aggregate, normalizer)
         total = total - spec.entropy_coef * entropy
         kl = torch.zeros(())
-        if "ref_logprobs" in batch:
-            ref = torch.from_numpy(batch["ref_logprobs"][mine])
+        if "reference_logprobs" in batch:
+            ref = torch.from_numpy(batch["reference_logprobs"][mine])
             kl = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl
@@ -228,8 +191,6 @@ class Learner:
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if self.world_size == 1:
             return values
-        import torch.distributed as dist
-
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(t)
@@ -240,7 +201,7 @@ class Learner:
         """The model's full state dict (gathered from all ranks under ZeRO-3: every rank must enter)."""
         gather = contextlib.nullcontext()
         if self.spec.zero_stage == 3:
-            import deepspeed
+            import deepspeed  # heavy: only a learner process loads it
 
             gather = deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
         with gather, torch.no_grad():
@@ -253,8 +214,6 @@ class Learner:
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         """Rank 0 hosts the weight-sync group (see actors/core/weight_sync.py); returns its layout."""
-        from actors.core.weight_sync import layout_of, open_group
-
         with self._full_weights() as state:
             layout = layout_of(state)
         if self.rank == 0:
@@ -263,8 +222,6 @@ class Learner:
 
     def broadcast_weights(self) -> None:
         """Every rank takes part (ZeRO-3 gathers the full weights); rank 0 sends them."""
-        from actors.core.weight_sync import send
-
         with self._full_weights() as state:
             if self.rank == 0:
                 send(self.sync_group, state)
@@ -289,8 +246,6 @@ class Learner:
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Hugging Face format (safetensors + tokenizer), written by rank 0."""
-        from transformers import AutoTokenizer
-
         state = self.state_dict()
         if self.rank != 0:
             return

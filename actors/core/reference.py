@@ -1,4 +1,5 @@
-"""Scorer: log-probs of responses under a frozen causal LM (the reference model), no optimizer."""
+"""ReferenceScorer: log-probs of responses under the frozen initial policy (the reference model
+of the KL term), no optimizer. The Ray-free core of the reference actor."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
-from actors.core.learner import response_logits, sequence_tensors
+from actors.core.modeling import response_logits, sequence_tensors
 from pipelines.algos.losses import logprobs_from_logits
 
 
-class Scorer:
+class ReferenceScorer:
     def __init__(self, model_dir: str, temperature: float = 1.0, batch_rows: int = 256):
-        from transformers import AutoModelForCausalLM
-
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.temperature = temperature
         self.batch_rows = batch_rows

@@ -58,6 +58,7 @@ class ModelReward:
     """Scores `prompt + completion` with a sequence-classification model (first logit)."""
 
     def __init__(self, model_dir: str):
+        # Only a `model:` term needs torch and transformers (seconds to import): rule and HTTP rewards do not.
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -1,4 +1,9 @@
-"""Weight broadcast from learner rank 0 to the rollout engines over a group of their own.
+"""The tensor side of weight sync, for both transports (actors/weight_sync.py drives them).
+
+Object store: the learner's state dict travels as numpy arrays; `tensors_from_arrays` turns
+them into the (name, tensor) pairs vLLM's `reload_weights` takes, without copying.
+
+Broadcast: learner rank 0 sends to the rollout engines over a group of their own.
 
 The group (rank 0 = learner, ranks 1.. = rollout engines) is built straight from a TCPStore,
 not through torch.distributed's default group, so the learners' training world is untouched.
@@ -12,12 +17,23 @@ returns the named tensors to load with vLLM's `reload_weights`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 Layout = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name), in send order
+
+
+def tensors_from_arrays(state: Mapping[str, np.ndarray]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a state dict that came through the object store as numpy."""
+    with warnings.catch_warnings():
+        # Arrays from the object store are read-only; vLLM copies them into its own
+        # parameters and never writes through these views.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [(name, torch.from_numpy(np.asarray(value))) for name, value in state.items()]
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):

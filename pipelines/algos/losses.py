@@ -9,6 +9,7 @@ each shard is given the batch-wide `normalizer`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,20 @@ KL_KINDS = ("k1", "k2", "k3")
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss of one policy update: which policy loss, its clip range at this step, the
+    reduction and the KL and entropy terms (built from `algo` config and the step's schedules)."""
+
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregate: str = "token-mean"
+    kl_coef: float = 0.001
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.01
 
 
 def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:

@@ -1,4 +1,6 @@
-"""Greedy evaluation of a causal LM on task problems, with transformers (no Ray, no vLLM)."""
+"""Is an answer correct, and greedy or sampled accuracy of a causal LM on task problems with
+transformers (no Ray, no vLLM). `count_correct` is the one check: the trainer's vLLM
+evaluation and these use it alike."""
 
 from __future__ import annotations
 
@@ -8,6 +10,15 @@ import torch
 
 from pipelines.data.rewards import exact_match
 from pipelines.data.tasks import Problem
+
+
+def count_correct(problems: Sequence[Problem], completions: Sequence[str]) -> int:
+    """How many `completions` are exactly their problem's answer (the `exact_match` reward).
+
+    >>> count_correct([Problem("2+2=", "4"), Problem("1+2=", "3")], [" 4", "4"])
+    1
+    """
+    return int(sum(exact_match([p.prompt for p in problems], completions, answer=[p.answer for p in problems])))
 
 
 @torch.no_grad()
@@ -39,8 +50,7 @@ def greedy_accuracy(model, tokenizer, problems: Sequence[Problem], max_new_token
     if max_new_tokens is None:
         max_new_tokens = max(len(p.answer) for p in problems) + 2
     completions = greedy_complete(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
-    scores = exact_match([p.prompt for p in problems], completions, answer=[p.answer for p in problems])
-    return sum(scores) / len(scores)
+    return count_correct(problems, completions) / len(problems)
 
 
 @torch.no_grad()
@@ -71,6 +81,6 @@ def sampled_accuracy(
         )
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         rows = [p for p in chunk for _ in range(samples)]  # the samples of one prompt are adjacent
-        right += sum(exact_match([p.prompt for p in rows], texts, answer=[p.answer for p in rows]))
+        right += count_correct(rows, texts)
     model.train(was_training)
     return right / (len(problems) * samples)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipelines.registry import Registry
+
+if TYPE_CHECKING:  # for annotations only: the config does not need the tasks at load
+    from pipelines.config import ArithmeticTaskConfig, ReverseTaskConfig
 
 Split = Literal["train", "heldout"]
 HELDOUT_PERCENT = 20  # share of all problems that belong to the held-out split
@@ -139,3 +142,13 @@ def make_task(name: str, **options) -> Task:
         return TASKS.get(name)(**options)
     except TypeError as err:
         raise ValueError(f"bad options for task {name!r}: {err}") from None
+
+
+def task_from_config(section: ArithmeticTaskConfig | ReverseTaskConfig) -> Task:
+    """The task a config section describes (`task.task`, or an entry of `model.tiny.sft_tasks`).
+
+    >>> from pipelines.config import ReverseTaskConfig
+    >>> task_from_config(ReverseTaskConfig(max_length=3))
+    Reverse(min_length=2, max_length=3, alphabet='abcdefghij', name='reverse')
+    """
+    return make_task(section.name, **section.model_dump(exclude={"name"}))

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipelines.config import TinyModelConfig, task_options
-from pipelines.data.tasks import Problem, make_task
+from pipelines.config import TinyModelConfig
+from pipelines.data.tasks import Problem, task_from_config
 
 IGNORE_INDEX = -100
 
@@ -30,9 +30,8 @@ def sft_problems(cfg: TinyModelConfig) -> tuple[list[Problem], list[Problem], li
     accuracy); and as many again held-out problems, disjoint from those, for the band check."""
     train: list[Problem] = []
     for task_cfg in cfg.sft_tasks:
-        train += make_task(task_cfg.name, **task_options(task_cfg)).sample(cfg.sft_problems, "train", cfg.seed)
-    first = cfg.sft_tasks[0]
-    heldout = make_task(first.name, **task_options(first)).sample(cfg.heldout_problems + cfg.band.problems, "heldout", cfg.seed)
+        train += task_from_config(task_cfg).sample(cfg.sft_problems, "train", cfg.seed)
+    heldout = task_from_config(cfg.sft_tasks[0]).sample(cfg.heldout_problems + cfg.band.problems, "heldout", cfg.seed)
     return train, heldout[: cfg.heldout_problems], heldout[cfg.heldout_problems :]
 
 

@@ -63,7 +63,8 @@ def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m pipelines.models.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)", file=sys.stderr)
+        usage = "usage: python -m pipelines.models.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)"
+        print(usage, file=sys.stderr)
         return 2
     llm = make_llm(argv[0])
     texts = greedy(llm, argv[1:], int(os.environ.get("RAYPO_MAX_TOKENS", "8")))

@@ -7,12 +7,13 @@ generate G samples per prompt -> reward -> reference log-probs -> group advantag
 from __future__ import annotations
 
 from pipelines.config import RaypoConfig
-from pipelines.rl.phases import Phases, Roles, learn_and_sync, prepare, rollout_and_score
 from pipelines.data.tasks import Problem
+from pipelines.rl.phases import Phases, compute_advantages, learn_and_sync, rollout_and_score
+from pipelines.rl.roles import Roles
 
 
 def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
     phases = Phases()
-    batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
-    extra, stats = prepare(roles, cfg, step, batch, scores, ref)
-    return learn_and_sync(roles, cfg, step, batch, extra, stats, phases)
+    batch, scores, reference_logprobs = rollout_and_score(roles, cfg, step, problems, phases)
+    targets, stats = compute_advantages(roles, cfg, step, batch, scores, reference_logprobs)
+    return learn_and_sync(roles, cfg, step, batch, targets, stats, phases)

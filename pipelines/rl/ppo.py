@@ -6,20 +6,19 @@ generate -> reward -> reference log-probs and values -> GAE -> learn policy and 
 
 from __future__ import annotations
 
-from pipelines.config import RaypoConfig
 from pipelines.algos.schedules import gae_lambda
-from pipelines.rl.phases import Phases, Roles, learn_and_sync, prepare, rollout_and_score
+from pipelines.config import RaypoConfig
 from pipelines.data.tasks import Problem
+from pipelines.rl.phases import Phases, compute_advantages, learn_and_sync, rollout_and_score
+from pipelines.rl.roles import Roles
 
 
 def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
-    if roles.value is None:
-        raise ValueError("PPO needs a critic: set algo.advantage=gae")
-    algo, phases = cfg.algo, Phases()
-    batch, scores, ref = rollout_and_score(roles, cfg, step, problems, phases)
-    values = roles.value.values.remote(batch)
+    algo, training, phases = cfg.algo, cfg.training, Phases()
+    batch, scores, reference_logprobs = rollout_and_score(roles, cfg, step, problems, phases)
+    values = roles.value.values.remote(batch)  # config guarantees the critic: algo.name=ppo needs advantage=gae
     phases.done("value", values)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
-    extra, stats = prepare(roles, cfg, step, batch, scores, ref, values, lam)
-    critic = roles.value.train_step.remote(batch, extra, cfg.training.minibatch_size, cfg.training.epochs)
-    return {**learn_and_sync(roles, cfg, step, batch, extra, stats, phases, side_updates=[critic]), "gae_lambda": lam}
+    targets, stats = compute_advantages(roles, cfg, step, batch, scores, reference_logprobs, values, lam)
+    critic = roles.value.train_step.remote(batch, targets, training.minibatch_size, training.epochs)
+    return {**learn_and_sync(roles, cfg, step, batch, targets, stats, phases, side_updates=[critic]), "gae_lambda": lam}

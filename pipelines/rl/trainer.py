@@ -19,18 +19,26 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from pipelines.config import RaypoConfig, task_options
+import ray
+import ray.exceptions as rex
+from tqdm import tqdm
+
+from pipelines.config import RaypoConfig
+from pipelines.data.evaluate import count_correct
+from pipelines.data.tasks import Problem, task_from_config
+from pipelines.models.resolve import resolve_model_path
+from pipelines.registry import Registry
+from pipelines.rl.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
+from pipelines.rl.phases import prompts_at
 from pipelines.rl.ppo import ppo_step
-from pipelines.registry import Registry
-from pipelines.rl.phases import ResourceFitError, Roles, build_roles, check_fits, prompts_at, sync_weights
-from pipelines.data.tasks import Problem, make_task
+from pipelines.rl.roles import ResourceFitError, Roles, build_roles, check_fits
 
 MetricsCallback = Callable[[dict], None]
 PIPELINES: Registry[Callable] = Registry("algorithm pipeline")
 PIPELINES.register("grpo")(grpo_step)
-PIPELINES.register("gspo")(grpo_step)  # GRPO's pipeline with the sequence-level policy loss
+PIPELINES.register("gspo")(grpo_step)  # GRPO's pipeline; config gives algo.name=gspo the sequence-level policy loss
 PIPELINES.register("ppo")(ppo_step)
 
 
@@ -47,67 +55,26 @@ class Trainer:
         self.out_dir = Path(cfg.output_dir) / cfg.name
         self.ckpt_root = self.out_dir / "checkpoints"
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        task_cfg = cfg.task.task
-        self.task = make_task(task_cfg.name, **task_options(task_cfg))
+        self.task = task_from_config(cfg.task.task)
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
 
-    # ------------------------------------------------------------------ evaluation
     def evaluate(self, problems: list[Problem]) -> float:
         """Greedy accuracy on `problems` with the first rollout engine (current weights)."""
-        import ray
-
         max_tokens = max(len(p.answer) for p in problems) + 2
         texts = ray.get(self.roles.rollouts[0].greedy.remote([p.prompt for p in problems], max_tokens))
-        return sum(t.strip() == p.answer for t, p in zip(texts, problems, strict=True)) / len(problems)
-
-    # ------------------------------------------------------------------ checkpoints
-    def latest_checkpoint(self) -> Path | None:
-        pointer = self.ckpt_root / "latest"
-        return self.ckpt_root / pointer.read_text().strip() if pointer.exists() else None
-
-    def save_checkpoint(self, step: int, state: dict) -> Path:
-        """Write checkpoints/step_N atomically (tmp dir, rename, then the `latest` pointer),
-        so a crash mid-save leaves the previous checkpoint the valid latest one."""
-        import ray
-
-        name = f"step_{step:06d}"
-        tmp = self.ckpt_root / f"{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.roles.learners.save_checkpoint(str(tmp))
-        if self.roles.value is not None:
-            ray.get(self.roles.value.save.remote(str(tmp / "critic")))
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}))
-        final = self.ckpt_root / name
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        pointer_tmp = self.ckpt_root / "latest.tmp"
-        pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, self.ckpt_root / "latest")
-        return final
-
-    def load_checkpoint(self, path: Path) -> dict:
-        import ray
-
-        self.roles.learners.load_checkpoint(str(path))
-        if self.roles.value is not None:
-            ray.get(self.roles.value.load.remote(str(path / "critic")))
-        state = json.loads((path / "trainer_state.json").read_text())
-        sync_weights(self.roles, state["step"])
-        return state
+        return count_correct(problems, texts) / len(problems)
 
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False) -> dict:
-        from tqdm import tqdm
-
         cfg, started = self.cfg, time.monotonic()
         state: dict = {}
         start_step = 0
         if resume:
-            ckpt = self.latest_checkpoint()
+            ckpt = latest_checkpoint(self.ckpt_root)
             if ckpt is None:
                 raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
-            state = self.load_checkpoint(ckpt)
+            state = load_checkpoint(self.roles, ckpt)
             start_step = state["step"]
             print(f"resumed from {ckpt} at step {start_step}")
         if "eval_accuracy_start" not in state:
@@ -139,13 +106,13 @@ class Trainer:
                 bar.update()
                 every = cfg.training.save_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
-                    self.save_checkpoint(step + 1, state)
+                    save_checkpoint(self.roles, self.ckpt_root, step + 1, state)
         finally:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
         end_step = max(step + 1, start_step) if cfg.training.steps > start_step else start_step
-        ckpt = self.save_checkpoint(end_step, state)
+        ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state)
         final = self.out_dir / "final"
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(ckpt / "policy", final)
@@ -175,8 +142,6 @@ class Trainer:
 def _describe_failure(err: BaseException) -> str:
     """A one-line cause for a Ray failure: the error inside the task or actor, with its root
     cause when its own message says nothing (`BackendCompilerFailed: backend='inductor' raised:`)."""
-    import ray.exceptions as rex
-
     if isinstance(err, rex.RayTaskError):
         inner = err.__dict__.get("cause") or err
         return with_root_cause(f"{type(inner).__name__}: {inner}", str(err))
@@ -228,12 +193,8 @@ def with_root_cause(summary: str, traceback_text: str) -> str:
 def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None, resume: bool = False) -> dict:
     """Train with `cfg` on the Ray cluster at `address` (or RAY_ADDRESS), else on a local Ray
     that this call starts and stops. Returns the run's summary; raises TrainingError."""
-    import ray
-    import ray.exceptions as rex
-
-    from pipelines.models.resolve import resolve_model_path
-
     model_dir = resolve_model_path(cfg)
+    pin_cpus(cfg.resource.cpu_affinity)
     started_ray = False
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
@@ -261,6 +222,21 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
             trainer.roles.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def pin_cpus(cores: list[int]) -> None:
+    """Run this process, and what it starts from now on (a local Ray), on `cores` that this
+    machine has (`resource.cpu_affinity`; empty = all). Cores it lacks are named and skipped."""
+    if not cores:
+        return
+    have = os.sched_getaffinity(0)
+    usable = sorted(set(cores) & have)
+    if not usable:
+        raise TrainingError(f"resource.cpu_affinity {cores} names none of this machine's cores {sorted(have)}")
+    if len(usable) < len(cores):
+        missing = sorted(set(cores) - have)
+        print(f"warning: resource.cpu_affinity: cores {missing} are not on this machine; using {usable}", file=sys.stderr)
+    os.sched_setaffinity(0, usable)
 
 
 def _raise_on_sigterm(signum, frame):

@@ -1,0 +1,48 @@
+"""What every role that runs the policy model shares: its inputs and its response logits.
+
+The learner, the reference scorer and the critic all feed a rollout batch's prompt + response
+through a causal LM the same way; this module is that one way, so none depends on another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+
+def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """Model inputs for `rows` of a batch: prompt (left-padded) + response (right-padded).
+
+    input_ids, attention_mask, position_ids: `[n, P + T]`; response_ids, response_mask: `[n, T]`.
+    Positions count real tokens only, so a left-padded prompt starts at position 0 as in vLLM.
+
+    >>> batch = {"prompt_ids": np.array([[0, 5, 6]]), "prompt_mask": np.array([[0, 1, 1]]),
+    ...          "response_ids": np.array([[7, 0]]), "response_mask": np.array([[1, 0]])}
+    >>> inputs = sequence_tensors(batch, np.arange(1))
+    >>> inputs["input_ids"].tolist(), inputs["position_ids"].tolist()
+    ([[0, 5, 6, 7, 0]], [[0, 0, 1, 2, 2]])
+    """
+    prompt_ids = torch.from_numpy(batch["prompt_ids"][rows])
+    prompt_mask = torch.from_numpy(batch["prompt_mask"][rows])
+    response_ids = torch.from_numpy(batch["response_ids"][rows])
+    response_mask = torch.from_numpy(batch["response_mask"][rows])
+    attention = torch.cat([prompt_mask, response_mask], dim=1)  # [n, P + T]
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "attention_mask": attention,
+        "position_ids": positions,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
+
+
+def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """Logits that predict each response token: `[n, P + T, V]` -> `[n, T, V]`, divided by the
+    sampling temperature so log-probs match the behaviour policy's."""
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    T = inputs["response_ids"].shape[1]
+    P = inputs["input_ids"].shape[1] - T
+    return out.logits[:, P - 1 : P - 1 + T].float() / temperature  # position P-1 predicts response token 0

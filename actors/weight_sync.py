@@ -1,0 +1,72 @@
+"""Weight sync: how new learner weights reach the rollout engines, owned here alone.
+
+Two transports behind one interface, `WeightSync.push(version)`, chosen by
+`resource.weight_sync`:
+
+- `ObjectStoreSync`: learner rank 0's full state dict goes into Ray's object store as numpy
+  (every rank takes part: ZeRO-3 gathers); each engine loads it in place. The CPU default.
+- `BroadcastSync`: learner rank 0 and every engine's worker form a process group of their
+  own; rank 0 broadcasts one flat buffer per dtype (NCCL on GPUs, gloo on CPU).
+
+The tensor side of both (flat buffers, groups, numpy -> tensors) is actors/core/weight_sync.py;
+the learner and the generator only hold their model for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+from ray.actor import ActorHandle
+
+from actors.learner import LearnerGroup
+
+
+class WeightSync:
+    """Pushes the learners' current weights to every rollout engine."""
+
+    def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle]):
+        self.learners, self.rollouts = learners, list(rollouts)
+
+    def push(self, version: int) -> None:
+        """Every engine serves the learners' weights as `version` when this returns."""
+        raise NotImplementedError
+
+
+class ObjectStoreSync(WeightSync):
+    def push(self, version: int) -> None:
+        weights = self.learners.state_dict_ref()
+        ray.get([r.update_weights.remote(weights, version) for r in self.rollouts])
+
+
+class BroadcastSync(WeightSync):
+    def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle], backend: str):
+        """Form the weight-sync group: learner rank 0 (which hosts it) and every rollout engine."""
+        super().__init__(learners, rollouts)
+        host, port = learners.address()
+        world = 1 + len(self.rollouts)
+        opened = learners.run_async("open_weight_sync", host, port, world, backend)
+        joined = [r.open_weight_sync.remote(host, port, i + 1, world, backend) for i, r in enumerate(self.rollouts)]
+        self.layout = ray.get(opened)[0]
+        ray.get(joined)
+
+    def push(self, version: int) -> None:
+        """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
+        sends = self.learners.run_async("broadcast_weights")
+        loads = [r.receive_weights.remote(self.layout, version) for r in self.rollouts]
+        ray.get(sends + loads)
+
+
+def transport(setting: str, use_gpu: bool) -> str:
+    """The transport `resource.weight_sync` names; `auto` is a broadcast on GPUs.
+
+    >>> transport("auto", use_gpu=False), transport("auto", use_gpu=True), transport("broadcast", use_gpu=False)
+    ('object_store', 'broadcast', 'broadcast')
+    """
+    return setting if setting != "auto" else "broadcast" if use_gpu else "object_store"
+
+
+def make_weight_sync(setting: str, learners: LearnerGroup, rollouts: Sequence[ActorHandle], use_gpu: bool) -> WeightSync:
+    if transport(setting, use_gpu) == "broadcast":
+        return BroadcastSync(learners, rollouts, backend="nccl" if use_gpu else "gloo")
+    return ObjectStoreSync(learners, rollouts)
