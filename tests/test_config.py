@@ -91,3 +91,27 @@ def test_parse_cpu_list():
     for bad in (["3-1"], ["a"], [True], "1-"):
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.name=ppo", "algo.advantage=grpo"], r"algo\.name=ppo with algo\.advantage=grpo: PPO trains a critic"),
+        (["algo.name=grpo", "algo.advantage=gae"], r"algo\.name=grpo with algo\.advantage=gae: grpo has no critic"),
+        (["algo.name=gspo", "algo.policy_loss=ppo"], r"algo\.name=gspo with algo\.policy_loss=ppo"),
+        (["algo.name=dpo"], r"algo\.name=dpo has no training pipeline yet"),
+    ],
+)
+def test_combinations_that_cannot_run_are_refused_at_load_naming_both_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_the_algorithm_sets_its_own_defaults():
+    algos = {name: load_config(None, [f"algo.name={name}"]).algo for name in ("grpo", "gspo", "ppo")}
+    assert {name: (a.advantage, a.policy_loss, a.uses_critic) for name, a in algos.items()} == {
+        "grpo": ("grpo", "ppo", False),
+        "gspo": ("grpo", "gspo", False),
+        "ppo": ("gae", "ppo", True),
+    }
+    assert load_config(None, ["algo.name=gspo", "algo.advantage=rloo"]).algo.advantage == "rloo"

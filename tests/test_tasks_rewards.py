@@ -42,10 +42,12 @@ def test_task_options_are_checked():
         make_task("sudoku")
 
 
-def test_builtin_reward_by_name():
+def test_builtin_rewards_by_name():
     fn = load_reward("exact_match")
-    assert fn(["1+1="], ["2", " 2 ", "3"][:1], answer=["2"]) == [1.0]
-    assert exact_match(["a", "b", "c"], ["2", " 2\n", "3"], answer=["2", "2", "2"]) == [1.0, 1.0, 0.0]
+    assert fn is exact_match
+    # surrounding whitespace is stripped; anything else must match exactly
+    assert fn(["1+1="] * 4, ["2", " 2 ", " 2\n", "3"], answer=["2"] * 4) == [1.0, 1.0, 1.0, 0.0]
+    assert load_reward("answer_format")(["p"] * 3, ["12", "1 2", "1=2"]) == [1.0, 0.0, 0.0]
 
 
 def test_user_reward_from_a_file(tmp_path):
