@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from pydantic import ValidationError
 
 from pipelines.config import ConfigError, RaypoConfig, load_config
@@ -172,8 +173,6 @@ def _shutdown_serve() -> None:
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
-    import yaml
-
     print(yaml.safe_dump(_load(args).model_dump(mode="json"), sort_keys=False), end="")
     return 0
 

@@ -17,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from pipelines.config import TinyModelConfig, WarmStartBand
+from pipelines.data.evaluate import greedy_accuracy, sampled_accuracy
+from pipelines.models.sft import sft_problems, sft_train
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
@@ -42,9 +48,6 @@ def tiny_dir(cfg: TinyModelConfig) -> Path:
 def build_tokenizer():
     """A character-level tokenizer in Hugging Face format: printable ASCII plus newline,
     one token per character, <bos> prepended on encode."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -63,9 +66,6 @@ def build_tokenizer():
 
 def build_model(cfg: TinyModelConfig, tokenizer):
     """A randomly initialised Llama causal LM of `cfg`'s shape, seeded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -101,8 +101,6 @@ class BandCheck:
 
 def check_band(model, tokenizer, problems: list, band: WarmStartBand, seed: int) -> BandCheck:
     """Greedy and sampling accuracy on the check problems, and whether both lie in `band`."""
-    from pipelines.data.evaluate import greedy_accuracy, sampled_accuracy
-
     greedy = greedy_accuracy(model, tokenizer, problems)
     sampled = sampled_accuracy(model, tokenizer, problems, band.samples, band.temperature, seed)
     ok = band.min_greedy <= greedy <= band.max_greedy and sampled >= band.min_sampled
@@ -118,8 +116,6 @@ def warm_start(cfg: TinyModelConfig, tokenizer, train: list, check_problems: lis
     the first SFT round, up to `band.extra_rounds` more, and up to `band.attempts` fresh
     initialisations. Returns the model, the check that passed, and the history of checks;
     raises WarmStartError when none passed."""
-    from pipelines.models.sft import sft_train
-
     band = cfg.band
     history: list[dict] = []
     for attempt in range(band.attempts):
@@ -173,11 +169,6 @@ def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], No
         manifest = json.loads(manifest_path.read_text())
         log(f"tiny model cached at {out} (held-out greedy accuracy {manifest['heldout_accuracy']:.1%})")
         return out, manifest
-
-    import torch
-
-    from pipelines.data.evaluate import greedy_accuracy
-    from pipelines.models.sft import sft_problems
 
     started = time.monotonic()
     torch.manual_seed(cfg.seed)

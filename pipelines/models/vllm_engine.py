@@ -15,14 +15,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch
+
 
 def _on_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    return torch.cuda.is_available()
 
 
 def make_llm(
@@ -39,7 +36,7 @@ def make_llm(
     if not on_gpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    from vllm import LLM
+    from vllm import LLM  # heavy: imported only when an engine is made, after the env above is set
 
     kwargs = {"gpu_memory_utilization": gpu_memory_fraction} if on_gpu else {}
     return LLM(
@@ -55,7 +52,7 @@ def make_llm(
 
 def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
     """Greedy continuations of `prompts`, special tokens dropped."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # heavy: only where an engine exists
 
     outputs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     return [out.outputs[0].text for out in outputs]

@@ -9,6 +9,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from ray.util.metrics import Gauge
+from torch.utils.tensorboard import SummaryWriter
+
 from pipelines.config import MonitorConfig
 
 
@@ -67,8 +70,6 @@ class Sinks:
     """Writes each step's metrics to metrics.jsonl, TensorBoard and Ray metrics (Prometheus)."""
 
     def __init__(self, out_dir: Path, resume_step: int = 0):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.out_dir = out_dir
         path = out_dir / "metrics.jsonl"
         # On resume, drop the lines of steps after the checkpoint: they will be run again.
@@ -90,10 +91,6 @@ class Sinks:
                 self._gauge(key, value)
 
     def _gauge(self, key: str, value: float) -> None:
-        try:
-            from ray.util.metrics import Gauge
-        except ImportError:
-            return
         if key not in self.gauges:
             self.gauges[key] = Gauge(f"raypo_{key}", description=f"raypo training metric {key}")
         try:
@@ -102,7 +99,7 @@ class Sinks:
             pass
 
     def plot_rewards(self) -> Path:
-        import matplotlib
+        import matplotlib  # here: the backend must be chosen before pyplot loads, and only a run's end draws
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
