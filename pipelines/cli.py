@@ -7,10 +7,12 @@ take seconds to import, and `raypo --help` or `raypo show-config` need none of t
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import yaml
 from pydantic import ValidationError
 
 from pipelines.config import ConfigError, RaypoConfig, load_config
+
+SERVE_SHUTDOWN_S = 30  # how long Ctrl-C waits for Serve to delete its apps before Ray is stopped
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -126,11 +130,16 @@ def _serve_forever(args: argparse.Namespace) -> int:
     )
     stopped = {"code": 130}
 
-    def on_sigterm(signum, frame):
-        stopped["code"] = 0
+    def on_stop(signum, frame):
+        stopped["code"] = 0 if signum == signal.SIGTERM else 130
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    def own_the_stop_signals():  # set again once Serve is up, in case a library replaced them
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGTERM, on_stop)
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack, for a hang
+    own_the_stop_signals()
     try:
         address = args.address or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False)
@@ -147,6 +156,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
         serve.run(build_app(serve_args), name=args.app, route_prefix="/")
         print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
         print("press Ctrl-C to stop", flush=True)
+        own_the_stop_signals()
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -165,10 +175,20 @@ def _shutdown_serve() -> None:
 
     if not ray.is_initialized():
         return
-    try:
-        serve.shutdown()
-    except Exception as err:  # the processes may already be going down with the signal
-        print(f"(serve shutdown: {type(err).__name__}: {err})", file=sys.stderr)
+
+    def delete_apps():
+        try:
+            serve.shutdown()
+        except Exception as err:  # the processes may already be going down with the signal
+            print(f"(serve shutdown: {type(err).__name__}: {err})", file=sys.stderr)
+
+    # Ctrl-C in a terminal reaches Ray's own processes too; a controller already gone must not
+    # keep Serve's shutdown (and so the terminal) waiting: stop Ray after SERVE_SHUTDOWN_S anyway.
+    deleting = threading.Thread(target=delete_apps, daemon=True)
+    deleting.start()
+    deleting.join(SERVE_SHUTDOWN_S)
+    if deleting.is_alive():
+        print(f"(Serve did not shut down within {SERVE_SHUTDOWN_S} s; stopping Ray)", file=sys.stderr)
     ray.shutdown()
 
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -18,8 +19,8 @@ import pytest
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 RAYPO = [sys.executable, "-m", "pipelines.cli"]  # the `raypo` console script's entry point
-# Measured on 2 cores (bench/reproducibility.py; README): every build seed and kernel set gained
-# 37 points or more; +30 is the README's claim.
+# Measured on 2 cores (bench/reproducibility.py; README): build seeds 0-2 under AVX2 and default
+# kernels gained +30.0 to +47.0 points; seed 0, the one built here, +39.0 and +46.6. +30 is the claim.
 MIN_GAIN = 0.30
 
 
@@ -32,7 +33,7 @@ def _free_port() -> int:
 def test_raypo_train_prints_a_summary_with_the_accuracy_gain(main_job):
     run_dir, summary, _ = main_job
     assert summary == json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 80 and summary["eval_problems"] == 500
+    assert summary["steps"] == 60 and summary["eval_problems"] == 500
     gain = summary["eval_accuracy_end"] - summary["eval_accuracy_start"]
     assert gain >= MIN_GAIN, summary
     assert (run_dir / "final" / "model.safetensors").is_file()
@@ -41,6 +42,21 @@ def test_raypo_train_prints_a_summary_with_the_accuracy_gain(main_job):
 def _get(url: str, timeout: float = 10):
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read())
+
+
+class _Output:
+    """A child's stdout and stderr read as they come, as a terminal does: a pipe nobody reads
+    fills up and blocks the child's next write, which a user never sees."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.text = {"stdout": [], "stderr": []}
+        streams = {"stdout": process.stdout, "stderr": process.stderr}
+        self.readers = [threading.Thread(target=self.text[name].extend, args=(f,), daemon=True) for name, f in streams.items()]
+        for reader in self.readers:
+            reader.start()
+
+    def __getitem__(self, name: str) -> str:
+        return "".join(self.text[name])
 
 
 def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_job):
@@ -56,6 +72,7 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
         text=True,
         start_new_session=True,
     )
+    output = _Output(server)
     try:
         deadline = time.monotonic() + 180  # the issue's bound for a 2-core machine
         health = None
@@ -65,7 +82,7 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
                 break
             except OSError:
                 time.sleep(2)
-        assert server.poll() is None, server.communicate()[1][-4000:]
+        assert server.poll() is None, output["stderr"][-4000:]
         assert health is not None and health[0] == 200, "raypo serve did not become healthy within 3 minutes"
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         answer = client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0)
@@ -73,11 +90,20 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
         family = psutil.Process(server.pid).children(recursive=True)
         assert family, "raypo serve started no Ray processes"
         os.killpg(server.pid, signal.SIGINT)
-        _, stderr = server.communicate(timeout=120)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, signal.SIGUSR1)  # raypo serve's faulthandler prints where it is stuck
+            time.sleep(3)
+            pytest.fail(f"raypo serve still running 120 s after Ctrl-C; its stacks:\n{output['stderr'][-6000:]}")
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+    for reader in output.readers:
+        reader.join(30)
+    stderr = output["stderr"]
     assert server.returncode in (0, 130), stderr[-4000:]
+    assert "stopped" in output["stdout"], output["stdout"][-2000:]
     assert "Aborted" not in stderr and "Traceback" not in stderr, stderr[-4000:]
     time.sleep(5)  # Ray's processes get a moment to go after their driver
     strays = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
