@@ -10,6 +10,7 @@ travels in a command line or a deployment config.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init, make_fastapi_ingress
 
 API_KEY_ENV = "RAYPO_API_KEY"
-HEALTH_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 5.0  # /health answers within this, well inside a client's usual timeout
 LIVE_CACHE_S = 1.0  # how stale the ingress's idea of the live version may be
 
 
@@ -93,8 +94,13 @@ class RaypoIngress(OpenAiIngress):
 
         from serve.versions import probe
 
-        await self._refresh_live()
-        problem = await probe(self._live_handles(), next(iter(self._model_cards)), HEALTH_TIMEOUT_S)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._refresh_live(), timeout=HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return openai_error(503, f"version table not answering within {HEALTH_TIMEOUT_S:g}s", "service_unavailable")
+        left = max(HEALTH_TIMEOUT_S - (time.monotonic() - started), 0.5)
+        problem = await probe(self._live_handles(), next(iter(self._model_cards)), left)
         if problem:
             return openai_error(503, f"model not answering: {problem}", "service_unavailable")
         return JSONResponse({"status": "ok", "models": sorted(self._model_cards), "version": self._live["name"]})

@@ -39,7 +39,7 @@ def test_raypo_train_prints_a_summary_with_the_accuracy_gain(main_job):
     assert (run_dir / "final" / "model.safetensors").is_file()
 
 
-def _get(url: str, timeout: float = 10):
+def _get(url: str, timeout: float = 30):  # longer than /health's own bound, so it answers first
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read())
 
