@@ -58,6 +58,7 @@ def main() -> None:
     ray.shutdown()
 
     print(f"\nper-phase seconds per step (mean of steps 1..{args.steps - 1}), share of the step in brackets")
+    print("(reward, reference and value run at once, each timed to its own end: their shares overlap)")
     print(f"{'phase':<12}" + "".join(f"{name:>22}" for name in results))
     for phase in PHASES:
         cells = []

@@ -159,3 +159,21 @@ def test_an_actor_that_fails_to_start_is_named_with_its_root_cause(local_ray, ti
     with pytest.raises(TrainingError, match=r"^an actor failed to start: \w+(Error|Exception)\w*: \S") as failure:
         train(cfg)
     assert "\n" not in str(failure.value), "one line, not the actor's traceback"
+
+
+def test_phases_launched_together_overlap_and_each_is_timed_to_its_own_end(local_ray):
+    """Reward, reference and value start at once on the batch (rl/phases.py): two 1-s phases
+    take about 1 s together, not 2, and a phase that did not run takes no time."""
+    import time
+
+    from pipelines.rl.phases import Phases
+
+    nap = ray.remote(num_cpus=0.05)(lambda s: time.sleep(s))
+    ray.get([nap.remote(0) for _ in range(2)])  # workers up before the clock starts
+    phases = Phases()
+    started = time.monotonic()
+    phases.done_together(reward=nap.remote(0.5), reference=nap.remote(1.0), value=None)
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.4, f"the phases ran one after the other ({elapsed:.2f} s for 0.5 s + 1.0 s)"
+    assert 0.5 <= phases.times["time_reward"] < phases.times["time_reference"] and phases.times["time_reference"] >= 1.0
+    assert phases.times["time_value"] < 0.1

@@ -1,6 +1,6 @@
 """GRPO (and GSPO, with `algo.policy_loss: gspo`): group baselines, no critic.
 
-generate G samples per prompt -> reward -> reference log-probs -> group advantages -> learn
+generate G samples per prompt -> reward and reference log-probs (together) -> group advantages -> learn
 -> sync weights. Every call passes ObjectRefs; the driver reads the metrics only.
 """
 
@@ -14,6 +14,6 @@ from pipelines.rl.roles import Roles
 
 def grpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
     phases = Phases()
-    batch, scores, reference_logprobs = rollout_and_score(roles, cfg, step, problems, phases)
+    batch, scores, reference_logprobs, _ = rollout_and_score(roles, cfg, step, problems, phases)
     targets, stats = compute_advantages(roles, cfg, step, batch, scores, reference_logprobs)
     return learn_and_sync(roles, cfg, step, batch, targets, stats, phases)

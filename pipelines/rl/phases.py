@@ -20,19 +20,33 @@ from pipelines.rl.roles import Roles
 
 class Phases:
     """Wall time per phase of one step: each `done(name, *refs)` waits (without fetching) for
-    the phase's results and records the time since the previous phase ended."""
+    the phase's results and records the time since the previous phase ended; `done_together`
+    does so for phases launched at once, each timed to its own end (their times overlap)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
         self._last = time.monotonic()
 
     def done(self, name: str, *refs) -> None:
-        pending = [r for r in refs if r is not None]
-        if pending:
-            ray.wait(pending, num_returns=len(pending), fetch_local=False)
-        now = time.monotonic()
-        self.times[f"time_{name}"] = now - self._last
-        self._last = now
+        self.done_together(**{name: [r for r in refs if r is not None]})
+
+    def done_together(self, **phases) -> None:
+        """`phases`: name -> a ref or a list of refs (None: the phase did not run)."""
+        refs = {name: [r for r in (v if isinstance(v, list) else [v]) if r is not None] for name, v in phases.items()}
+        waiting = {name: set(rs) for name, rs in refs.items()}
+        for name in [n for n, rs in waiting.items() if not rs]:
+            self.times[f"time_{name}"] = time.monotonic() - self._last
+            del waiting[name]
+        while waiting:
+            pending = [r for rs in waiting.values() for r in rs]
+            ready, _ = ray.wait(pending, num_returns=1, fetch_local=False)
+            now = time.monotonic()
+            for name in list(waiting):
+                waiting[name] -= set(ready)
+                if not waiting[name]:
+                    self.times[f"time_{name}"] = now - self._last
+                    del waiting[name]
+        self._last = time.monotonic()
 
 
 def group_size_at(cfg: RaypoConfig, step: int) -> int:
@@ -66,15 +80,17 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
 
 
 def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem], phases: Phases):
-    """The phases every RL algorithm starts with: generate, reward, reference log-probs.
-    Returns refs to the batch, its rewards and its reference log-probs (None without KL)."""
+    """The phases every RL algorithm starts with: generate, then reward, reference log-probs and
+    (with a critic) values, launched together on the batch. Returns refs to the batch, its
+    rewards, its reference log-probs (None without a reference) and its values (None without)."""
     batch = generate(roles, cfg, problems, step)
     phases.done("generate", batch)
     scores = roles.reward.score.remote(batch, [p.answer for p in problems])
-    phases.done("reward", scores)
     reference_logprobs = roles.reference.logprobs.remote(batch) if roles.reference else None
-    phases.done("reference", reference_logprobs)
-    return batch, scores, reference_logprobs
+    values = roles.value.values.remote(batch) if roles.value else None
+    scored = {"reward": scores, "reference": reference_logprobs} | ({"value": values} if roles.value else {})
+    phases.done_together(**scored)
+    return batch, scores, reference_logprobs, values
 
 
 def policy_loss_spec(cfg: RaypoConfig, step: int) -> LossSpec:

@@ -1,6 +1,6 @@
 """PPO: a critic (ValueActor) and GAE advantages.
 
-generate -> reward -> reference log-probs and values -> GAE -> learn policy and critic
+generate -> reward, reference log-probs and values (together) -> GAE -> learn policy and critic
 (in parallel) -> sync weights.
 """
 
@@ -15,9 +15,8 @@ from pipelines.rl.roles import Roles
 
 def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
     algo, training, phases = cfg.algo, cfg.training, Phases()
-    batch, scores, reference_logprobs = rollout_and_score(roles, cfg, step, problems, phases)
-    values = roles.value.values.remote(batch)  # config guarantees the critic: algo.name=ppo needs advantage=gae
-    phases.done("value", values)
+    # config guarantees the critic (algo.name=ppo needs advantage=gae), so `values` is a ref
+    batch, scores, reference_logprobs, values = rollout_and_score(roles, cfg, step, problems, phases)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
     targets, stats = compute_advantages(roles, cfg, step, batch, scores, reference_logprobs, values, lam)
     critic = roles.value.train_step.remote(batch, targets, training.minibatch_size, training.epochs)
