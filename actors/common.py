@@ -1,8 +1,12 @@
-"""What every raypo actor shares: thread limits and the Ray options of a role."""
+"""What every raypo actor shares: thread limits, fetching refs, and whether roles fit."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+
+import ray
 
 
 def limit_threads(cpus: float) -> None:
@@ -12,6 +16,12 @@ def limit_threads(cpus: float) -> None:
 
     threads = max(1, int(os.environ.get("RAYPO_THREADS_PER_ACTOR", "0")) or int(round(cpus)) or 1)
     torch.set_num_threads(threads)
+
+
+def fetch_each(refs: Iterable[ray.ObjectRef]) -> Iterator:
+    """Each ref's value, fetched when the loop reaches it, so one minibatch is in memory at a time."""
+    for ref in refs:
+        yield ray.get(ref)
 
 
 def cpu_shortfall(plan: dict[str, float], cluster: dict[str, float]) -> str | None:
@@ -28,3 +38,20 @@ def cpu_shortfall(plan: dict[str, float], cluster: dict[str, float]) -> str | No
         return None
     parts = ", ".join(f"{part} {cpus:g}" for part, cpus in plan.items())
     return f"needs {need:g} CPUs ({parts}) but the Ray cluster has {have:g}"
+
+
+class ResourceFitError(RuntimeError):
+    """The actors of a run or an app cannot all be placed on the Ray cluster; the message names
+    the resource."""
+
+
+def check_fit(check: Callable[[], None], local_ray: bool) -> None:
+    """Run `check`, which raises ResourceFitError when the parts do not fit. On a local Ray,
+    which nothing will grow, the error stands; on a joined cluster it is printed as a warning
+    and the caller goes on, since the cluster's autoscaler may add nodes."""
+    try:
+        check()
+    except ResourceFitError as err:
+        if local_ray:
+            raise
+        print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)

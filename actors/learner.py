@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.common import limit_threads
+from actors.common import fetch_each, limit_threads
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
 from pipelines.algos.losses import LossSpec
@@ -32,11 +32,10 @@ class LearnerActor:
     def init(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         self.learner = Learner(spec, rank, world_size, master_addr, master_port)
 
-    def train_step(
-        self, batch: dict[str, np.ndarray], targets: dict[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int
-    ) -> dict[str, float]:
-        """One policy update; `targets` holds the step's advantages and reference log-probs."""
-        return self.learner.train_step({**batch, **targets}, loss, minibatch_size, epochs)
+    def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec) -> dict[str, float]:
+        """One policy update on the step's minibatches, refs the experience buffer put in the
+        object store (`ExperienceBuffer.minibatches`), fetched one at a time."""
+        return self.learner.train_step(fetch_each(minibatches), loss)
 
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         return self.learner.logprobs(batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import limit_threads
+from actors.common import fetch_each, limit_threads
 from actors.core.critic import Critic
 
 
@@ -19,9 +19,10 @@ class ValueActor:
         """`[N, T]` value estimates for the batch's response positions."""
         return self.critic.values(batch)
 
-    def train_step(self, batch: dict[str, np.ndarray], targets: dict[str, np.ndarray], minibatch_size: int, epochs: int) -> dict:
-        """Clipped value-loss update towards `targets["returns"]` around `targets["old_values"]`."""
-        return self.critic.train_step({**batch, **targets}, minibatch_size, epochs)
+    def train_step(self, minibatches: list[ray.ObjectRef]) -> dict:
+        """Clipped value-loss update towards each minibatch's `returns` around its `old_values`;
+        the minibatches are the experience buffer's refs, fetched one at a time."""
+        return self.critic.train_step(fetch_each(minibatches))
 
     def save(self, out_dir: str) -> None:
         self.critic.save(out_dir)

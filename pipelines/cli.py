@@ -116,6 +116,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from actors.common import ResourceFitError, check_fit
     from serve.app import ServeArgs, build_app, check_fits
 
     if not args.checkpoint:
@@ -144,13 +145,11 @@ def _serve_forever(args: argparse.Namespace) -> int:
         address = args.address or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False)
         try:
-            check_fits(serve_args, ray.cluster_resources())
-        except ValueError as err:
-            if not address:  # a local Ray is all there will be
-                print(f"raypo serve: error: {err}", file=sys.stderr)
-                ray.shutdown()
-                return 2
-            print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)
+            check_fit(lambda: check_fits(serve_args, ray.cluster_resources()), local_ray=not address)
+        except ResourceFitError as err:
+            print(f"raypo serve: error: {err}", file=sys.stderr)
+            ray.shutdown()
+            return 2
         print(f"starting the engine for {serve_args.checkpoint} (about a minute on CPU)...", flush=True)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(serve_args), name=args.app, route_prefix="/")

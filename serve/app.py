@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.common import cpu_shortfall
+from actors.common import ResourceFitError, cpu_shortfall
 from serve.versions import WatchConfig
 
 
@@ -67,12 +67,14 @@ def cpu_plan(args: ServeArgs) -> dict[str, float]:
 
 
 def check_fits(args: ServeArgs, cluster: dict[str, float]) -> None:
-    """Raise ValueError at once when the app cannot be placed on a cluster with `cluster`
+    """Raise ResourceFitError at once when the app cannot be placed on a cluster with `cluster`
     resources (`ray.cluster_resources()`): Serve would otherwise wait for it forever."""
     if short := cpu_shortfall(cpu_plan(args), cluster):
-        raise ValueError(f"the app {short}; lower --cpus-per-replica or --min-replicas, or serve on a bigger cluster")
+        raise ResourceFitError(f"the app {short}; lower --cpus-per-replica or --min-replicas, or serve on a bigger cluster")
     if args.use_gpu and cluster.get("GPU", 0.0) < max(1, args.min_replicas):
-        raise ValueError(f"the app needs {max(1, args.min_replicas)} GPUs (one per engine replica) but the cluster has none")
+        raise ResourceFitError(
+            f"the app needs {max(1, args.min_replicas)} GPUs (one per engine replica) but the cluster has none"
+        )
 
 
 def llm_config(args: ServeArgs):

@@ -5,6 +5,7 @@ import pytest
 import ray
 import torch
 
+from actors.buffer import ExperienceBuffer
 from actors.core.learner import LearnerSpec
 from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
@@ -43,6 +44,20 @@ def batch_ref(rollout, problems):
     return rollout.generate.remote([p.prompt for p in problems], 4, 1.0, 1.0, 8, 7)
 
 
+@pytest.fixture(scope="module")
+def buffer(local_ray):
+    actor = ExperienceBuffer.options(num_cpus=0.05).remote()
+    yield actor
+    ray.kill(actor)
+
+
+def _train(group, buffer, batch_ref, targets, minibatch_size, step=0):
+    """One update the way a run makes it: the experience goes into the buffer actor, and the
+    learners fetch the minibatches it serves."""
+    ray.get(buffer.add.remote(step, batch_ref, targets))
+    return group.run("train_step", buffer.minibatches.remote(step, minibatch_size, 0), LossSpec())
+
+
 def _targets(batch, scores):
     adv = group_advantages(torch.from_numpy(scores).double(), 4, "grpo").float().numpy()
     return {"advantages": (adv[:, None] * batch["response_mask"]).astype(np.float32)}
@@ -75,7 +90,23 @@ def test_reference_logprobs_match_the_rollout_engine(local_ray, tiny_model, batc
     ray.kill(reference)
 
 
-def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, problems):
+def test_buffer_serves_the_steps_minibatches_as_object_refs(buffer, batch_ref):
+    batch = ray.get(batch_ref)
+    n = len(batch["response_ids"])
+    targets = {"advantages": np.arange(n, dtype=np.float32)[:, None] * batch["response_mask"]}
+    assert ray.get(buffer.add.remote(5, batch_ref, targets))["rows"] == n
+    refs = ray.get(buffer.minibatches.remote(5, 12, 0, 2))
+    assert all(isinstance(r, ray.ObjectRef) for r in refs) and len(refs) == 2 * -(-n // 12)
+    parts = ray.get(refs)
+    rows = np.concatenate([p["advantages"][:, 0] for p in parts[: len(parts) // 2]]).astype(int)
+    assert sorted(rows) == list(range(n)) and list(rows) != list(range(n))  # one shuffled pass, then again
+    for p in parts[len(parts) // 2 :]:
+        assert set(p) == {*batch, "advantages"}
+    with pytest.raises(ray.exceptions.RayTaskError, match="holds step 5, not step 4"):
+        ray.get(buffer.minibatches.remote(4, 12, 0))
+
+
+def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, buffer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     batch = ray.get(batch_ref)
@@ -83,7 +114,7 @@ def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tin
     group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5)
     before = ray.get(group.state_dict_ref())
     for _ in range(3):
-        group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=16, epochs=1)
+        _train(group, buffer, batch_ref, targets, 16)
     weights_ref = group.state_dict_ref()
     after = ray.get(weights_ref)
     assert any(not np.array_equal(before[k], after[k]) for k in before), "the learner's parameters did not move"
@@ -97,7 +128,7 @@ def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tin
     group.shutdown()
 
 
-def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray, tiny_model, batch_ref):
+def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray, tiny_model, batch_ref, buffer):
     """The collective path (NCCL on GPUs) run with gloo: learner rank 0 of a 2-rank ZeRO-3
     world broadcasts gathered weights; both engines then answer as the learner's model does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,7 +139,7 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
     batch = ray.get(batch_ref)
     targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
     for _ in range(3):
-        group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=16, epochs=1)
+        _train(group, buffer, batch_ref, targets, 16)
     sync.push(version=3)
     trained = ray.get(group.state_dict_ref())
     model = AutoModelForCausalLM.from_pretrained(tiny_model[0])
@@ -124,14 +155,14 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
         ray.kill(engine)
 
 
-def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray, tiny_model, batch_ref):
+def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray, tiny_model, batch_ref, buffer):
     batch = ray.get(batch_ref)
     scores = (np.arange(len(batch["response_ids"])) % 3 == 0).astype(np.float32)
     targets = _targets(batch, scores)
     results = {}
     for world, stage in ((1, 0), (2, 2)):
         group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=stage), world, 0.5)
-        metrics = group.run("train_step", batch_ref, targets, LossSpec(), minibatch_size=32, epochs=1)[0]
+        metrics = _train(group, buffer, batch_ref, targets, 32)[0]
         results[world] = (metrics, ray.get(group.state_dict_ref()))
         group.shutdown()
     (m1, w1), (m2, w2) = results[1], results[2]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from actors.core.learner import Learner, LearnerSpec
+from actors.core.minibatch import minibatches
 from pipelines.algos.losses import LossSpec
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def _update_towards_first_half(learner):
     before = learner.logprobs(batch)
     adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
     step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
-    metrics = learner.train_step(step, LossSpec(kl_coef=0.0, entropy_coef=0.0), minibatch_size=8)
+    metrics = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
     return step, metrics, learner.logprobs(batch) - before
 
 
@@ -46,7 +47,7 @@ def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
 
     weights = learner.state_dict()
     poisoned = {**step, "advantages": np.full_like(step["advantages"], np.nan)}
-    metrics = learner.train_step(poisoned, LossSpec(), minibatch_size=8)
+    metrics = learner.train_step(minibatches(poisoned, 8, seed=0), LossSpec())
     assert metrics["update_success"] == 0.0 and np.isnan(metrics["loss"])
     assert all(np.array_equal(weights[k], v) for k, v in learner.state_dict().items())
 
@@ -74,7 +75,7 @@ def test_critic_fits_the_returns(tiny_model):
     critic = Critic(str(tiny_model[0]), lr=1e-3)
     assert not critic.values(batch).any(), "the critic must start at V = 0"
     for _ in range(CRITIC_STEPS):
-        metrics = critic.train_step({**batch, "old_values": critic.values(batch), "returns": returns}, minibatch_size=8)
+        metrics = critic.train_step(minibatches({**batch, "old_values": critic.values(batch), "returns": returns}, 8, seed=0))
     values = critic.values(batch)
     assert np.isfinite(metrics["value_loss"])
     assert float(((values - returns) ** 2).mean()) < CRITIC_MAX_MSE, values

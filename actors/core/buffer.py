@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actors.core.minibatch import minibatch_rows
+from actors.core.minibatch import minibatches
 
 
 def to_record_batch(columns: Mapping[str, np.ndarray]) -> pa.RecordBatch:
@@ -77,9 +77,8 @@ class Buffer:
         return to_numpy(self.steps[-1])
 
     def minibatches(self, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-        """The latest step's rows, shuffled with `seed`, in minibatches of `size` rows."""
-        data = self.latest()
-        return [{k: v[rows] for k, v in data.items()} for rows in minibatch_rows(len(next(iter(data.values()))), size, seed)]
+        """The latest step's rows, shuffled with `seed`, in minibatches of `size` rows (one pass)."""
+        return minibatches(self.latest(), size, seed)
 
     def spill(self, path: str | Path) -> Path:
         """Write the latest step to Parquet (zstd) at `path`."""

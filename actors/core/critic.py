@@ -6,7 +6,7 @@ clipped value loss on GAE returns. A plain torch optimizer: the critic is one pr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
-from actors.core.minibatch import minibatch_rows
 from actors.core.modeling import sequence_tensors
 from pipelines.algos.losses import value_loss
 
@@ -43,7 +42,7 @@ class Critic:
         torch.manual_seed(seed)
         self.model = ValueModel(model_dir)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.grad_clip, self.clip, self.seed = grad_clip, clip, seed
+        self.grad_clip, self.clip = grad_clip, clip
         self.steps_done = 0
 
     @torch.no_grad()
@@ -53,16 +52,17 @@ class Critic:
         inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
         return (self.model(inputs) * inputs["response_mask"]).numpy().astype(np.float32)
 
-    def train_step(self, batch: Mapping[str, np.ndarray], minibatch_size: int, epochs: int = 1) -> dict[str, float]:
-        """Fit the values to `returns` (clipped around `old_values`); metrics averaged over minibatches."""
+    def train_step(self, minibatches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+        """Fit the values to `returns` (clipped around `old_values`), one optimizer step per
+        minibatch; metrics averaged over the minibatches."""
         self.model.train()
         totals = {"value_loss": 0.0, "value_mse": 0.0, "value_clip_fraction": 0.0}
         count = 0
-        for rows in minibatch_rows(len(batch["response_ids"]), minibatch_size, self.seed + self.steps_done, epochs):
-            inputs = sequence_tensors(batch, rows)
+        for batch in minibatches:
+            inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
             values = self.model(inputs)
-            old = torch.from_numpy(batch["old_values"][rows])
-            returns = torch.from_numpy(batch["returns"][rows])
+            old = torch.from_numpy(batch["old_values"])
+            returns = torch.from_numpy(batch["returns"])
             loss, metrics = value_loss(values, old, returns, inputs["response_mask"], clip=self.clip)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.core.minibatch import minibatch_rows
 from actors.core.modeling import response_logits, sequence_tensors
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
@@ -100,25 +99,24 @@ class Learner:
         logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]
         return logp.numpy().astype(np.float32)
 
-    def train_step(
-        self, batch: Mapping[str, np.ndarray], loss: LossSpec, minibatch_size: int, epochs: int = 1
-    ) -> dict[str, float]:
-        """Policy update on a step's experience: `epochs` passes of minibatches, one optimizer step each.
+    def train_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], loss: LossSpec) -> dict[str, float]:
+        """Policy update on a step's experience, one optimizer step per minibatch (every rank gets
+        the whole minibatch and trains on its share of the rows).
 
-        Needs `advantages` and `behaviour_logprobs` `[N, T]`; `reference_logprobs` when kl_coef > 0.
+        Each needs `advantages` and `behaviour_logprobs` `[n, T]`; `reference_logprobs` for the KL.
         Returns metrics averaged over the minibatches (and identical on every rank).
         """
         self.engine.train()
-        batches = minibatch_rows(len(batch["response_ids"]), minibatch_size, self.spec.seed + self.steps_done, epochs)
-        results = [self._minibatch_step(batch, rows, loss) for rows in batches]
+        results = [self._minibatch_step(mb, loss) for mb in minibatches]
         self.steps_done += 1
         done = [r for r in results if r["update_success"]] or results  # skipped updates report no metrics
         out = {key: sum(r[key] for r in done) / len(done) for key in done[0]}
         out["update_success"] = sum(r["update_success"] for r in results) / len(results)
         return out
 
-    def _minibatch_step(self, batch: Mapping[str, np.ndarray], rows: np.ndarray, spec: LossSpec) -> dict[str, float]:
-        whole_mask = torch.from_numpy(batch["response_mask"][rows])
+    def _minibatch_step(self, batch: Mapping[str, np.ndarray], spec: LossSpec) -> dict[str, float]:
+        rows = np.arange(len(batch["response_ids"]))
+        whole_mask = torch.from_numpy(batch["response_mask"])
         if spec.aggregate == "token-mean":
             whole_count = float(whole_mask.sum())
         else:

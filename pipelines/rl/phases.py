@@ -127,21 +127,24 @@ def compute_advantages(
     )
 
 
-def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, stats, phases: Phases, side_updates=()) -> dict:
-    """The phases every RL algorithm ends with: store the experience, update the policy (while
-    `side_updates`, e.g. the critic's, run alongside), sync weights. Returns the step's metrics."""
-    stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
-    loss = policy_loss_spec(cfg, step)
+def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, stats, phases: Phases) -> dict:
+    """The phases every RL algorithm ends with: store the experience in the buffer, update the
+    policy (and the critic, if there is one, alongside) on the minibatches the buffer serves,
+    sync weights. Returns the step's metrics."""
     training = cfg.training
-    per_rank = roles.learners.run("train_step", batch, targets, loss, training.minibatch_size, training.epochs)
-    learned = per_rank[0]  # identical on every rank
-    side_metrics = [ray.get(ref) for ref in side_updates]
+    stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
+    # Refs to the step's minibatches (rows shuffled with the step's seed), which the learners and
+    # the critic fetch from the object store themselves; the driver never holds the data.
+    minibatches = roles.buffer.minibatches.remote(step, training.minibatch_size, cfg.seed + step, training.epochs)
+    loss = policy_loss_spec(cfg, step)
+    critic = roles.value.train_step.remote(minibatches) if roles.value else None
+    learned = roles.learners.run("train_step", minibatches, loss)[0]  # identical on every rank
+    side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
     roles.weight_sync.push(step + 1)
     phases.done("sync")
     metrics = {"group_size": group_size_at(cfg, step), **ray.get(stats), **buffer_metrics(ray.get(stored)), **learned}
-    for more in side_metrics:
-        metrics.update(more)
+    metrics.update(side_metrics)
     return {**metrics, **phases.times, "clip_eps": loss.clip_low}
 
 

@@ -14,10 +14,9 @@ from pipelines.rl.roles import Roles
 
 
 def ppo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem]) -> dict:
-    algo, training, phases = cfg.algo, cfg.training, Phases()
+    algo, phases = cfg.algo, Phases()
     # config guarantees the critic (algo.name=ppo needs advantage=gae), so `values` is a ref
     batch, scores, reference_logprobs, values = rollout_and_score(roles, cfg, step, problems, phases)
     lam = gae_lambda(step, algo.lam_start, algo.lam, algo.lam_ramp_steps)
     targets, stats = compute_advantages(roles, cfg, step, batch, scores, reference_logprobs, values, lam)
-    critic = roles.value.train_step.remote(batch, targets, training.minibatch_size, training.epochs)
-    return {**learn_and_sync(roles, cfg, step, batch, targets, stats, phases, side_updates=[critic]), "gae_lambda": lam}
+    return {**learn_and_sync(roles, cfg, step, batch, targets, stats, phases), "gae_lambda": lam}

@@ -14,7 +14,7 @@ from ray.actor import ActorHandle
 from ray.remote_function import RemoteFunction
 
 from actors.buffer import ExperienceBuffer
-from actors.common import cpu_shortfall
+from actors.common import ResourceFitError, cpu_shortfall
 from actors.core.learner import LearnerSpec
 from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
@@ -57,10 +57,6 @@ class Roles:
 # (roles take turns within a step), so the reservations only have to fit the machine together.
 ROLE_CPUS = {"rollout": 0.2, "reference": 0.2, "value": 0.2, "reward": 0.05, "buffer": 0.05, "helper task": 0.05}
 HELPER_TASKS = 2  # prepare_experience and concat_batches may run at once
-
-
-class ResourceFitError(RuntimeError):
-    """The run's actors cannot all be placed on the Ray cluster; the message names the resource."""
 
 
 def cpu_plan(cfg: RaypoConfig) -> dict[str, float]:

@@ -23,6 +23,7 @@ import ray
 import ray.exceptions as rex
 from tqdm import tqdm
 
+from actors.common import check_fit
 from pipelines.config import RaypoConfig
 from pipelines.data.evaluate import count_correct
 from pipelines.data.tasks import Problem, task_from_config
@@ -33,7 +34,7 @@ from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at
 from pipelines.rl.ppo import ppo_step
-from pipelines.rl.roles import ResourceFitError, Roles, build_roles, check_fits
+from pipelines.rl.roles import Roles, build_roles, check_fits
 
 MetricsCallback = Callable[[dict], None]
 PIPELINES: Registry[Callable] = Registry("algorithm pipeline")
@@ -207,12 +208,7 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     trainer = None
     try:
-        try:
-            check_fits(cfg, ray.cluster_resources())
-        except ResourceFitError as err:
-            if started_ray:  # a local Ray is all there will be
-                raise
-            print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)
+        check_fit(lambda: check_fits(cfg, ray.cluster_resources()), local_ray=started_ray)
         trainer = Trainer(cfg, model_dir, on_metrics)
         return trainer.run(resume=resume)
     except (rex.RayError, rex.RayTaskError) as err:
