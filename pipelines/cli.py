@@ -116,8 +116,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from actors.common import ResourceFitError, check_fit
-    from serve.app import ServeArgs, build_app, check_fits
+    from serve.app import ServeArgs, build_app, ensure_fits
 
     if not args.checkpoint:
         raise SystemExit("raypo serve needs --checkpoint (a model directory, e.g. runs/<name>/final)")
@@ -145,8 +144,8 @@ def _serve_forever(args: argparse.Namespace) -> int:
         address = args.address or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False)
         try:
-            check_fit(lambda: check_fits(serve_args, ray.cluster_resources()), local_ray=not address)
-        except ResourceFitError as err:
+            ensure_fits(serve_args, ray.cluster_resources(), local_ray=not address)
+        except RuntimeError as err:  # ResourceFitError: the app cannot fit this local Ray
             print(f"raypo serve: error: {err}", file=sys.stderr)
             ray.shutdown()
             return 2

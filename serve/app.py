@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.common import ResourceFitError, cpu_shortfall
+from actors.common import ResourceFitError, check_fit, cpu_shortfall
 from serve.versions import WatchConfig
 
 
@@ -75,6 +75,11 @@ def check_fits(args: ServeArgs, cluster: dict[str, float]) -> None:
         raise ResourceFitError(
             f"the app needs {max(1, args.min_replicas)} GPUs (one per engine replica) but the cluster has none"
         )
+
+
+def ensure_fits(args: ServeArgs, cluster: dict[str, float], local_ray: bool) -> None:
+    """`check_fits`, failing on a local Ray and warning on a joined cluster (actors.common.check_fit)."""
+    check_fit(lambda: check_fits(args, cluster), local_ray=local_ray)
 
 
 def llm_config(args: ServeArgs):
