@@ -25,10 +25,12 @@ class ExperienceBuffer:
             self.buffer.spill(f"{self.spill_dir}/step_{step:06d}.parquet")
         return size
 
-    def minibatches(self, step: int, size: int, seed: int, epochs: int = 1) -> list[ray.ObjectRef]:
+    def minibatches(self, step: int, size: int, seed: int, epochs: int = 1, added: dict | None = None) -> list[ray.ObjectRef]:
         """Refs to step `step`'s minibatches, in training order: its rows shuffled with `seed`, cut
         into minibatches of `size` rows, the same order again for each of `epochs` passes. Each
-        minibatch is put in the object store once; learners fetch them one at a time."""
+        minibatch is put in the object store once; learners fetch them one at a time.
+        `added`: pass the ref `add` returned, so that when the step could not be stored (its reward
+        failed, say) this call fails with that cause instead of not finding the step."""
         if step != self.latest_step:
             raise LookupError(f"the experience buffer holds step {self.latest_step}, not step {step}")
         refs = [ray.put(mb) for mb in self.buffer.minibatches(size, seed)]

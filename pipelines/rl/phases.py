@@ -135,7 +135,7 @@ def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, st
     stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
     # Refs to the step's minibatches (rows shuffled with the step's seed), which the learners and
     # the critic fetch from the object store themselves; the driver never holds the data.
-    minibatches = roles.buffer.minibatches.remote(step, training.minibatch_size, cfg.seed + step, training.epochs)
+    minibatches = roles.buffer.minibatches.remote(step, training.minibatch_size, cfg.seed + step, training.epochs, stored)
     loss = policy_loss_spec(cfg, step)
     critic = roles.value.train_step.remote(minibatches) if roles.value else None
     learned = roles.learners.run("train_step", minibatches, loss)[0]  # identical on every rank
