@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from pipelines.config import ConfigError, RaypoConfig, load_config
+from pipelines.data.dataset import DatasetError
 
 SERVE_SHUTDOWN_S = 30  # how long Ctrl-C waits for Serve to delete its apps before Ray is stopped
 
@@ -58,20 +59,24 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pipelines.data.evaluate import greedy_accuracy
-    from pipelines.data.tasks import task_from_config
     from pipelines.models.resolve import resolve_model_path
+    from pipelines.rl.evaluation import evaluate_model
 
     cfg = _load(args)
     path = Path(args.model) if args.model else resolve_model_path(cfg)
-    task_cfg = cfg.task.task
-    problems = task_from_config(task_cfg).sample(cfg.task.eval_problems, "heldout", cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    accuracy = greedy_accuracy(model, tokenizer, problems)
-    print(json.dumps({"model": str(path), "task": task_cfg.name, "problems": len(problems), "accuracy": accuracy}))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / cfg.name / "eval.jsonl"
+    summary = evaluate_model(cfg, path, out)
+    print(json.dumps({**summary, "per_sample": str(out)}, indent=2))
+    return 0
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from pipelines.models.gguf import import_gguf
+
+    out = import_gguf(args.file, args.out_dir)
+    print(f"imported {args.file} -> {out} (use it as model.path)")
     return 0
 
 
@@ -210,10 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="greedy accuracy on the task's held-out split")
+    p = sub.add_parser(
+        "eval", help="held-out evaluation: mean reward per reward function, greedy pass rate, pass@k, per-sample JSONL"
+    )
     _add_config_args(p)
     p.add_argument("--model", help="model directory (default: the configured model)")
+    p.add_argument("--out", help="per-sample JSON Lines (default: <output_dir>/<name>/eval.jsonl)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("import-gguf", help="write a GGUF model as a Hugging Face directory (float32 safetensors + tokenizer)")
+    p.add_argument("file", help="the .gguf file")
+    p.add_argument("out_dir", help="an empty or new directory")
+    p.set_defaults(func=cmd_import_gguf)
 
     p = sub.add_parser(
         "serve",
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValidationError) as err:
+    except (ConfigError, DatasetError, FileNotFoundError, ValidationError) as err:
         print(f"raypo {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # TrainingError and friends: the message names the cause

@@ -103,9 +103,64 @@ class ModelConfig(Strict):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
 
 
+PathSpec = str | list[str]
+
+
+class DatasetConfig(Strict):
+    """The user's own prompts: JSON Lines, JSON, CSV or Parquet files (a path, a glob or a list),
+    a directory of such files (splits from the file names, as Hugging Face `datasets` infers
+    them), or a directory written by `Dataset.save_to_disk`. Every column other than the prompt
+    reaches the reward functions per sample, by its name (and the answer column also as `answer`)."""
+
+    path: PathSpec = Field(description="train data: a file, a glob, a list of them, or a directory")
+    heldout_path: PathSpec | None = Field(None, description="held-out data in its own file(s); empty = see heldout_split")
+    heldout_split: str | None = Field(
+        None, description="the dataset's own held-out split (e.g. test); empty = a 'test' or 'validation' split if there is one"
+    )
+    heldout_percent: int = Field(
+        20, ge=0, le=90, description="without a held-out file or split: this share of prompts, chosen by a hash of the prompt"
+    )
+    train_split: str = Field("train", description="the split to train on, in a directory or save_to_disk dataset")
+    prompt_key: str = Field("prompt", description="column of the prompt: a string, or chat messages [{role, content}, ...]")
+    answer_key: str | None = Field(
+        "answer", description="column of the reference answer (passed to rewards as `answer`); empty = none"
+    )
+    apply_chat_template: bool | None = Field(
+        None, description="render prompts with the model's chat template; empty = chat messages yes, plain strings no"
+    )
+    chat_template: str | None = Field(None, description="a Jinja chat template to use instead of the tokenizer's own")
+    max_prompt_tokens: int = Field(512, ge=1, description="longer prompts (after the template) are dropped and counted")
+    max_bad_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of malformed rows tolerated (skipped, reported); above it the run stops at load"
+    )
+
+
 class TaskSection(Strict):
-    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig, description="the verifiable task RL trains on")
-    eval_problems: int = Field(500, ge=1, description="held-out problems for greedy accuracy before/after training")
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig, description="the built-in verifiable task RL trains on")
+    dataset: DatasetConfig | None = Field(None, description="your own prompts instead of a built-in task")
+    eval_problems: int = Field(500, ge=1, description="held-out problems evaluated before/after training (at most)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.dataset is not None and "task" in self.model_fields_set:
+            raise ValueError("task.task and task.dataset are both set: train on a built-in task or on your dataset, not both")
+        return self
+
+
+class EvalConfig(Strict):
+    """Evaluation on the held-out split: before and after training, every `every` steps, and
+    by `raypo eval`. A sample passes when its combined reward (before normalising) reaches
+    `pass_threshold`."""
+
+    every: int = Field(0, ge=0, description="evaluate every N training steps (0 = only before and after)")
+    pass_threshold: float | None = Field(
+        None, description="combined reward that counts as a pass; empty = reward.value_range's top"
+    )
+    samples: int = Field(4, ge=0, description="k of pass@k: sampled completions per held-out prompt (0 = greedy only)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature for pass@k")
+    max_tokens: int | None = Field(
+        None, ge=1, description="longest completion; empty = inference.max_tokens (built-in tasks: answer + 2)"
+    )
 
 
 # ----------------------------------------------------------------------------- reward
@@ -308,6 +363,12 @@ class RaypoConfig(Strict):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     resource: ResourceConfig = Field(default_factory=ResourceConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def pass_threshold(self) -> float:
+        """The combined reward at which an evaluated sample counts as passed."""
+        return self.reward.value_range[1] if self.eval.pass_threshold is None else self.eval.pass_threshold
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from actors.weight_sync import BroadcastSync
 from pipelines.algos.advantages import group_advantages
 from pipelines.algos.losses import LossSpec
 from pipelines.data.evaluate import greedy_complete
-from pipelines.data.tasks import Arithmetic
+from pipelines.data.tasks import Arithmetic, reward_fields
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_rollout_returns_grouped_samples_with_logprobs(batch_ref, problems):
 
 def test_reward_actor_scores_each_row_against_its_prompts_answer(local_ray, batch_ref, problems):
     reward = RewardActor.options(num_cpus=0.1).remote([("exact_match", 1.0)], False, (0.0, 1.0))
-    scores = ray.get(reward.score.remote(batch_ref, [p.answer for p in problems]))
+    scores = ray.get(reward.score.remote(batch_ref, reward_fields(problems)))
     batch = ray.get(batch_ref)
     expected = [
         float(t.strip() == problems[i].answer) for t, i in zip(batch["response_text"], batch["prompt_index"], strict=True)

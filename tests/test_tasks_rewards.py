@@ -73,6 +73,13 @@ def test_user_reward_errors_name_the_problem(tmp_path):
         load_reward(f"{path}:x")
     with pytest.raises(TypeError, match=r"must accept \(prompts, completions, \*\*fields\)"):
         load_reward(f"{path}:two_args")
+    path.write_text(path.read_text() + "def needs_target(prompts, completions, target):\n    return [1.0 for _ in completions]\n")
+    needs_target = load_reward(f"{path}:needs_target")  # a column asked for by name loads ...
+    assert score(needs_target, ["p"], ["c"], name="t", target=["x"]) == [1.0]
+    with pytest.raises(
+        TypeError, match=r"reward 't' cannot take this data's columns \(answer\): missing a required argument: 'target'"
+    ):
+        score(needs_target, ["p"], ["c"], name="t", answer=["x"])  # ... and fails naming it where the data lacks it
     with pytest.raises(RuntimeError, match="reward 'boom' raised KeyError"):
         score(load_reward(f"{path}:boom"), ["p"], ["c"], name="boom")
     syntax = tmp_path / "broken.py"

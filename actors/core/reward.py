@@ -89,13 +89,26 @@ class RewardScorer:
         self.normalize = normalize
         self.value_range = value_range
 
+    def score_terms(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> dict[str, list[float | None]]:
+        """Each term's own scores (spec -> one float or None per completion), unweighted."""
+        return {spec: score(fn, prompts, completions, name=spec, **fields) for spec, _, fn in self.terms}
+
+    def combine(self, term_scores: dict[str, list[float | None]]) -> np.ndarray:
+        """The weighted sum of the terms that scored each completion (None counts as 0), raw."""
+        total = np.zeros(len(next(iter(term_scores.values()))), dtype=np.float64)
+        for spec, weight, _ in self.terms:
+            total += weight * np.array([0.0 if v is None else v for v in term_scores[spec]])
+        return total
+
+    def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> dict[str, list]:
+        """Each term's scores and, under `combined`, their raw weighted sum: for evaluation."""
+        terms = self.score_terms(prompts, completions, **fields)
+        return {**terms, "combined": self.combine(terms).tolist()}
+
     def score(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> np.ndarray:
         """One float32 reward per completion: the weighted sum of the terms that scored it,
         scaled from `value_range` to [-1, 1] when `normalize` is on."""
-        total = np.zeros(len(completions), dtype=np.float64)
-        for spec, weight, fn in self.terms:
-            values = score(fn, prompts, completions, name=spec, **fields)
-            total += weight * np.array([0.0 if v is None else v for v in values])
+        total = self.combine(self.score_terms(prompts, completions, **fields))
         if self.normalize:
             lo, hi = self.value_range
             total = np.clip(2.0 * (total - lo) / (hi - lo) - 1.0, -1.0, 1.0)

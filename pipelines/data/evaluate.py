@@ -1,15 +1,18 @@
-"""Is an answer correct, and greedy or sampled accuracy of a causal LM on task problems with
-transformers (no Ray, no vLLM). `count_correct` is the one check: the trainer's vLLM
-evaluation and these use it alike."""
+"""Is an answer correct, and how well a model does on held-out problems.
+
+`count_correct` is the one exact-answer check. `evaluate_problems` is the one evaluation: mean
+reward per reward function, greedy pass rate and pass@k, given callables that generate and
+score (the trainer passes its rollout and reward actors, `raypo eval` an in-process engine).
+The transformers helpers below (no Ray, no vLLM) serve the tiny model's SFT checks."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pipelines.data.rewards import exact_match
-from pipelines.data.tasks import Problem
+from pipelines.data.tasks import Problem, reward_fields
 
 
 def count_correct(problems: Sequence[Problem], completions: Sequence[str]) -> int:
@@ -19,6 +22,76 @@ def count_correct(problems: Sequence[Problem], completions: Sequence[str]) -> in
     1
     """
     return int(sum(exact_match([p.prompt for p in problems], completions, answer=[p.answer for p in problems])))
+
+
+Greedy = Callable[[list[str]], list[str]]  # prompts -> one greedy completion each
+Sampler = Callable[[list[str], int], list[list[str]]]  # prompts, k -> k sampled completions each
+TermScorer = Callable[[list[str], list[str], dict], dict]  # prompts, completions, fields -> {term: [...], "combined": [...]}
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    scored = [v for v in values if v is not None]
+    return sum(scored) / len(scored) if scored else None
+
+
+def evaluate_problems(
+    problems: Sequence[Problem],
+    greedy: Greedy,
+    score_terms: TermScorer,
+    threshold: float,
+    sample: Sampler | None = None,
+    k: int = 0,
+) -> tuple[dict, list[dict]]:
+    """(summary, one row per problem) of a model on `problems`.
+
+    summary: `reward_mean` (combined, raw) and `reward_mean/<term>` of the greedy completions,
+    `pass_rate` (greedy completions whose combined reward reaches `threshold`), `pass_at_k`
+    (problems where one of `k` samples passes) with `k`, and `accuracy` (exact answer) when
+    every problem has an answer.
+
+    >>> problems = [Problem("1+1=", "2"), Problem("2+2=", "4")]
+    >>> def score(prompts, texts, fields):
+    ...     right = [float(t == a) for t, a in zip(texts, fields["answer"])]
+    ...     return {"exact_match": right, "combined": right}
+    >>> summary, rows = evaluate_problems(problems, lambda ps: ["2", "5"], score, 1.0, lambda ps, k: [["3", "2"], ["5", "1"]], 2)
+    >>> summary["pass_rate"], summary["pass_at_k"], summary["accuracy"], rows[1]["greedy"]
+    (0.5, 0.5, 0.5, '5')
+    """
+    if not problems:
+        raise ValueError("evaluate_problems needs at least one problem")
+    prompts, fields = [p.prompt for p in problems], reward_fields(problems)
+    texts = greedy(prompts)
+    scores = score_terms(prompts, texts, fields)
+    passed = [c >= threshold - 1e-9 for c in scores["combined"]]
+    terms = [t for t in scores if t != "combined"]
+    summary = {"problems": len(problems), "reward_mean": _mean(scores["combined"])}
+    summary |= {f"reward_mean/{t}": _mean(scores[t]) for t in terms}
+    summary["pass_rate"] = sum(passed) / len(problems)
+    if all(p.answer is not None for p in problems):
+        summary["accuracy"] = count_correct(problems, texts) / len(problems)
+    rows = [
+        {
+            "prompt": p.prompt,
+            "answer": p.answer,
+            "greedy": t,
+            "reward": c,
+            "passed": ok,
+            "rewards": {n: scores[n][i] for n in terms},
+        }
+        for i, (p, t, c, ok) in enumerate(zip(problems, texts, scores["combined"], passed, strict=True))
+    ]
+    if sample is not None and k > 0:
+        samples = sample(prompts, k)
+        flat_prompts = [p for p, group in zip(prompts, samples, strict=True) for _ in group]
+        flat_fields = {
+            name: [v for v, group in zip(values, samples, strict=True) for _ in group] for name, values in fields.items()
+        }
+        combined = score_terms(flat_prompts, [t for group in samples for t in group], flat_fields)["combined"]
+        for i, row in enumerate(rows):
+            row["samples_passed"] = sum(c >= threshold - 1e-9 for c in combined[i * k : (i + 1) * k])
+        summary |= {"k": k, "pass_at_k": sum(row["samples_passed"] > 0 for row in rows) / len(rows)}
+        summary["sampled_pass_rate"] = sum(row["samples_passed"] for row in rows) / (k * len(rows))
+    return summary, rows
 
 
 @torch.no_grad()

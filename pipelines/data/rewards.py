@@ -72,14 +72,31 @@ def load_reward(spec: str) -> RewardFn:
 
 
 def _check_signature(fn: RewardFn, spec: str) -> None:
+    # Partial: a reward may require dataset columns by name (`answer`, `target`), which
+    # `score` checks against the columns the batch has.
     try:
-        inspect.signature(fn).bind(["p"], ["c"])
+        inspect.signature(fn).bind_partial(["p"], ["c"])
     except TypeError as err:
         raise TypeError(f"reward {spec!r} must accept (prompts, completions, **fields): {err}") from None
 
 
+def _check_columns(fn: RewardFn, name: str, fields: dict) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature (a C function): nothing to check
+        return
+    try:
+        signature.bind(["p"], ["c"], **fields)
+    except TypeError as err:
+        raise TypeError(
+            f"reward {name!r} cannot take this data's columns ({', '.join(fields) or 'none'}): {err}; "
+            "its arguments after (prompts, completions) must be column names, with **fields for the rest"
+        ) from None
+
+
 def score(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], name: str = "reward", **fields) -> list[float | None]:
     """Call a reward function and check what it returns: one float or None per completion."""
+    _check_columns(fn, name, fields)
     try:
         out = list(fn(list(prompts), list(completions), **fields))
     except Exception as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -24,8 +25,25 @@ HELDOUT_PERCENT = 20  # share of all problems that belong to the held-out split
 @dataclass(frozen=True)
 class Problem:
     prompt: str
-    answer: str
+    answer: str | None  # the reference answer (None: a dataset without an answer column)
     slip: str | None = None  # the answer as a typical systematic error gives it (None: no such error)
+    fields: dict | None = None  # a dataset row's columns for the reward functions (None: just `answer`)
+
+    def reward_fields(self) -> dict:
+        """The keyword arguments the reward functions get for this problem."""
+        return {"answer": self.answer} if self.fields is None else self.fields
+
+
+def reward_fields(problems: Sequence[Problem]) -> dict[str, list]:
+    """Column -> one value per problem (None where a problem lacks the column): the `**fields`
+    of the reward functions, TRL's convention.
+
+    >>> reward_fields([Problem("a", "1"), Problem("b", None, fields={"level": 2})])
+    {'answer': ['1', None], 'level': [None, 2]}
+    """
+    rows = [p.reward_fields() for p in problems]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: [row.get(k) for row in rows] for k in columns}
 
 
 def add_without_carry(a: int, b: int) -> int:
@@ -42,9 +60,14 @@ def add_without_carry(a: int, b: int) -> int:
     return digits
 
 
-def _split_of(prompt: str) -> Split:
+def in_heldout(prompt: str, percent: int = HELDOUT_PERCENT) -> bool:
+    """Whether `prompt` belongs to the held-out `percent` of all prompts (a hash: stable everywhere)."""
     bucket = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") % 100
-    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+    return bucket < percent
+
+
+def _split_of(prompt: str) -> Split:
+    return "heldout" if in_heldout(prompt) else "train"
 
 
 class Task:

@@ -58,6 +58,14 @@ def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
     return [out.outputs[0].text for out in outputs]
 
 
+def sample(llm, prompts: Sequence[str], n: int, temperature: float, max_tokens: int, seed: int) -> list[list[str]]:
+    """`n` sampled continuations of each prompt (pure temperature sampling), seeded."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
+    return [[s.text for s in out.outputs] for out in llm.generate(list(prompts), params, use_tqdm=False)]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         usage = "usage: python -m pipelines.models.vllm_engine MODEL_DIR PROMPT... (max tokens from RAYPO_MAX_TOKENS)"

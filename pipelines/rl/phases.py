@@ -14,7 +14,7 @@ import ray
 from pipelines.algos.losses import LossSpec
 from pipelines.algos.schedules import clip_eps, group_size
 from pipelines.config import RaypoConfig
-from pipelines.data.tasks import Problem
+from pipelines.data.tasks import Problem, reward_fields
 from pipelines.rl.roles import Roles
 
 
@@ -85,7 +85,7 @@ def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[
     rewards, its reference log-probs (None without a reference) and its values (None without)."""
     batch = generate(roles, cfg, problems, step)
     phases.done("generate", batch)
-    scores = roles.reward.score.remote(batch, [p.answer for p in problems])
+    scores = roles.reward.score.remote(batch, reward_fields(problems))
     reference_logprobs = roles.reference.logprobs.remote(batch) if roles.reference else None
     values = roles.value.values.remote(batch) if roles.value else None
     scored = {"reward": scores, "reference": reference_logprobs} | ({"value": values} if roles.value else {})

@@ -25,11 +25,12 @@ from tqdm import tqdm
 
 from actors.common import check_fit
 from pipelines.config import RaypoConfig
-from pipelines.data.evaluate import count_correct
-from pipelines.data.tasks import Problem, task_from_config
+from pipelines.data.dataset import load_task
+from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
 from pipelines.rl.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelines.rl.evaluation import evaluate_with_roles
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at
@@ -48,23 +49,24 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: RaypoConfig, model_dir: Path, on_metrics: MetricsCallback | None = None):
+    def __init__(self, cfg: RaypoConfig, model_dir: Path, task: Task, on_metrics: MetricsCallback | None = None):
         if cfg.algo.name not in PIPELINES:
             raise TrainingError(f"algorithm {cfg.algo.name!r} has no RL pipeline yet; known: {', '.join(PIPELINES.names())}")
-        self.cfg, self.model_dir, self.on_metrics = cfg, model_dir, on_metrics
+        self.cfg, self.model_dir, self.task, self.on_metrics = cfg, model_dir, task, on_metrics
         self.step_fn = PIPELINES.get(cfg.algo.name)
         self.out_dir = Path(cfg.output_dir) / cfg.name
         self.ckpt_root = self.out_dir / "checkpoints"
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.task = task_from_config(cfg.task.task)
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
 
-    def evaluate(self, problems: list[Problem]) -> float:
-        """Greedy accuracy on `problems` with the first rollout engine (current weights)."""
-        max_tokens = max(len(p.answer) for p in problems) + 2
-        texts = ray.get(self.roles.rollouts[0].greedy.remote([p.prompt for p in problems], max_tokens))
-        return count_correct(problems, texts) / len(problems)
+    def evaluate(self, label: str) -> dict:
+        """The held-out evaluation with the current weights (first rollout engine, reward actor);
+        writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
+        summary, rows = evaluate_with_roles(self.roles, self.cfg, self.eval_problems)
+        with open(self.out_dir / f"eval_{label}.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        return summary
 
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False) -> dict:
@@ -78,8 +80,8 @@ class Trainer:
             state = load_checkpoint(self.roles, ckpt)
             start_step = state["step"]
             print(f"resumed from {ckpt} at step {start_step}")
-        if "eval_accuracy_start" not in state:
-            state["eval_accuracy_start"] = self.evaluate(self.eval_problems)
+        if "eval_start" not in state:
+            state["eval_start"] = self.evaluate("start")
         stream = self.task.stream("train", cfg.seed)
         for _ in range(sum(prompts_at(cfg, s) for s in range(start_step))):  # the prompts earlier steps used
             next(stream)
@@ -95,6 +97,8 @@ class Trainer:
             for step in range(start_step, cfg.training.steps):
                 problems = [next(stream) for _ in range(prompts_at(cfg, step))]
                 metrics = self._one_step(step, problems)
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
+                    metrics |= {f"eval/{k}": v for k, v in self.evaluate(f"step_{step + 1}").items()}
                 metrics["alerts"] = alerts.check(metrics)
                 for alert in alerts.to_print(step, metrics["alerts"]):
                     bar.write(f"warning: step {step}: {alert}")
@@ -117,14 +121,16 @@ class Trainer:
         final = self.out_dir / "final"
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(ckpt / "policy", final)
-        acc_end = self.evaluate(self.eval_problems)
+        eval_end = self.evaluate("end")
+        accuracy = {"eval_accuracy_start": state["eval_start"].get("accuracy"), "eval_accuracy_end": eval_end.get("accuracy")}
         summary = {
             "name": cfg.name,
             "algo": cfg.algo.name,
             "steps": end_step,
             "eval_problems": len(self.eval_problems),
-            "eval_accuracy_start": state["eval_accuracy_start"],
-            "eval_accuracy_end": acc_end,
+            **(accuracy if "accuracy" in eval_end else {}),  # exact-answer accuracy, where every problem has an answer
+            "eval_start": state["eval_start"],
+            "eval_end": eval_end,
             "final_reward_mean": sinks.history[-1]["reward_mean"] if sinks.history else None,
             "wall_seconds": round(time.monotonic() - started, 1),
             "checkpoint": str(ckpt),
@@ -196,6 +202,7 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     """Train with `cfg` on the Ray cluster at `address` (or RAY_ADDRESS), else on a local Ray
     that this call starts and stops. Returns the run's summary; raises TrainingError."""
     model_dir = resolve_model_path(cfg)
+    task = load_task(cfg, model_dir)  # a bad dataset stops the run here, before Ray and its actors start
     pin_cpus(cfg.resource.cpu_affinity)
     started_ray = False
     if not ray.is_initialized():
@@ -209,7 +216,7 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     trainer = None
     try:
         check_fit(lambda: check_fits(cfg, ray.cluster_resources()), local_ray=started_ray)
-        trainer = Trainer(cfg, model_dir, on_metrics)
+        trainer = Trainer(cfg, model_dir, task, on_metrics)
         return trainer.run(resume=resume)
     except (rex.RayError, rex.RayTaskError) as err:
         raise TrainingError(_describe_failure(err)) from err

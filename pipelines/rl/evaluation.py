@@ -1,0 +1,67 @@
+"""Held-out evaluation with real engines: during training through the rollout and reward
+actors, and for `raypo eval` through an in-process vLLM engine and reward scorer (no Ray).
+Both hand `pipelines.data.evaluate.evaluate_problems` the same three callables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray
+
+from actors.core.reward import RewardScorer
+from pipelines.config import RaypoConfig
+from pipelines.data.dataset import eval_max_tokens, load_task
+from pipelines.data.evaluate import evaluate_problems
+from pipelines.data.tasks import Problem
+from pipelines.models import vllm_engine
+from pipelines.rl.roles import Roles
+
+
+def _grouped(texts, prompt_index, prompts: int) -> list[list[str]]:
+    groups: list[list[str]] = [[] for _ in range(prompts)]
+    for text, i in zip(texts, prompt_index, strict=True):
+        groups[int(i)].append(str(text))
+    return groups
+
+
+def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> tuple[dict, list[dict]]:
+    """`evaluate_problems` on the first rollout engine (current weights) and the reward actor."""
+    engine, max_tokens, k = roles.rollouts[0], eval_max_tokens(cfg, problems), cfg.eval.samples
+
+    def greedy(prompts):
+        return ray.get(engine.greedy.remote(prompts, max_tokens))
+
+    def sample(prompts, n):
+        batch = ray.get(engine.generate.remote(prompts, n, cfg.eval.temperature, 1.0, max_tokens, cfg.seed))
+        return _grouped(batch["response_text"], batch["prompt_index"], len(prompts))
+
+    def score_terms(prompts, completions, fields):
+        return ray.get(roles.reward.score_terms.remote(prompts, completions, fields))
+
+    return evaluate_problems(problems, greedy, score_terms, cfg.pass_threshold, sample, k)
+
+
+def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path | None = None) -> dict:
+    """`raypo eval`: the held-out evaluation of the model in `model_dir`, in this process.
+    Writes one JSON line per problem to `out_file` when given; returns the summary."""
+    task = load_task(cfg, model_dir)
+    problems = task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
+    llm = vllm_engine.make_llm(str(model_dir), dtype=cfg.model.dtype, seed=cfg.seed)
+    scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+    max_tokens = eval_max_tokens(cfg, problems)
+
+    def score_terms(prompts, completions, fields):
+        return scorer.scores_by_term(prompts, completions, **fields)
+
+    def sample(prompts, n):
+        return vllm_engine.sample(llm, prompts, n, cfg.eval.temperature, max_tokens, cfg.seed)
+
+    summary, rows = evaluate_problems(
+        problems, lambda ps: vllm_engine.greedy(llm, ps, max_tokens), score_terms, cfg.pass_threshold, sample, cfg.eval.samples
+    )
+    if out_file is not None:
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(out_file, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return {"model": str(model_dir), "task": task.name, **summary}
