@@ -39,3 +39,18 @@ def main_job(tiny_model, tmp_path_factory):
     assert run.returncode == 0, run.stderr[-4000:]
     printed = json.loads(run.stdout[run.stdout.index("{") :])  # the summary is the last thing printed
     return out / "grpo_tiny", printed, run.stdout
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct imported from its PyPI wheel by `raypo import-gguf` (a subprocess, as
+    the README runs it), once per cache: (directory, the command's stdout)."""
+    from pipelines.models.gguf import SMOLLM2
+    from pipelines.models.tiny import cache_root
+
+    out = cache_root() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file():
+        return out, "cached"
+    run = subprocess.run([*RAYPO, "import-gguf", SMOLLM2, str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out, run.stdout

@@ -19,6 +19,7 @@ MODULES_WITH_EXAMPLES = [
     "actors.weight_sync",
     "pipelines.algos.schedules",
     "pipelines.config",
+    "pipelines.data.dataset",
     "pipelines.data.evaluate",
     "pipelines.data.rewards",
     "pipelines.data.tasks",

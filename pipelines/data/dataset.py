@@ -288,8 +288,8 @@ class DatasetTask(Task):
             yield from epoch
 
 
-def load_dataset_task(cfg: DatasetConfig, tokenizer) -> DatasetTask:
-    """The task `cfg` describes, prompts rendered and counted with `tokenizer` (the model's)."""
+def prompt_renderer(cfg: DatasetConfig, tokenizer) -> Callable[[Any, bool], str]:
+    """`render(prompt, is_chat) -> text`: through the chat template where `cfg` says so."""
     if cfg.chat_template is not None:
         tokenizer.chat_template = cfg.chat_template
 
@@ -311,6 +311,13 @@ def load_dataset_task(cfg: DatasetConfig, tokenizer) -> DatasetTask:
         if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
             text = text[len(bos) :]
         return text
+
+    return render
+
+
+def load_dataset_task(cfg: DatasetConfig, tokenizer) -> DatasetTask:
+    """The task `cfg` describes, prompts rendered and counted with `tokenizer` (the model's)."""
+    render = prompt_renderer(cfg, tokenizer)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text)["input_ids"])

