@@ -38,7 +38,10 @@ def make_llm(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     from vllm import LLM  # heavy: imported only when an engine is made, after the env above is set
 
-    kwargs = {"gpu_memory_utilization": gpu_memory_fraction} if on_gpu else {}
+    # On CPU a seeded request whose prompt is split across scheduler steps (chunked prefill) fails
+    # ("CPU Generator does not use offset": vLLM rewinds the request's torch generator, which CPU
+    # generators cannot do); without chunking each prompt is prefilled whole.
+    kwargs = {"gpu_memory_utilization": gpu_memory_fraction} if on_gpu else {"enable_chunked_prefill": False}
     return LLM(
         model=str(model_dir),
         dtype=dtype,
