@@ -27,12 +27,13 @@ RUNS = {  # column -> (preset, extra overrides)
 }
 
 
-def run(preset: str, steps: int, out_dir: str, overrides: list[str]) -> list[dict]:
+def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> list[dict]:
+    """Steps 1.. of a `preset` run (a file name in configs/, or a path)."""
     from pipelines.config import load_config
     from pipelines.rl.trainer import train
 
     cfg = load_config(
-        ROOT / "configs" / preset,
+        ROOT / "configs" / preset if isinstance(preset, str) else preset,
         [f"training.steps={steps}", "training.save_every=0", "task.eval_problems=50", f"output_dir={out_dir}", *overrides],
     )
     train(cfg)
