@@ -54,3 +54,20 @@ def smollm2():
     run = subprocess.run([*RAYPO, "import-gguf", SMOLLM2, str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return out, run.stdout
+
+
+def vllm_greedy(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
+    """vLLM's greedy continuations of `prompts`, from `python -m pipelines.models.vllm_engine` in its
+    own process (vLLM wants to be created under `__main__`)."""
+    env = {**os.environ, "RAYPO_MAX_TOKENS": str(max_tokens)}
+    run = subprocess.run(
+        [*RAYPO[:2], "pipelines.models.vllm_engine", str(model_dir), *prompts],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RAYPO_JSON "))
+    return json.loads(line.removeprefix("RAYPO_JSON "))

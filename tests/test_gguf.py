@@ -5,11 +5,10 @@ load and answer alike."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
-from conftest import RAYPO, ROOT
+from conftest import RAYPO, ROOT, vllm_greedy
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "What is 12 + 7? Answer with the number only."]
@@ -32,30 +31,17 @@ def test_transformers_and_vllm_give_the_same_greedy_chat_answers(smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipelines.data.evaluate import greedy_complete
+
     out, _ = smollm2
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         for q in QUESTIONS
     ]
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    hf = []
-    for prompt in prompts:
-        enc = tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-        hf.append(tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
-    env = {**os.environ, "RAYPO_MAX_TOKENS": str(MAX_TOKENS)}
-    run = subprocess.run(
-        [*RAYPO[:2], "pipelines.models.vllm_engine", str(out), *prompts],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    vllm = json.loads(run.stdout.split("RAYPO_JSON ", 1)[1])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hf = greedy_complete(model, tokenizer, prompts, MAX_TOKENS, batch_size=1)  # one at a time: no padding
+    vllm = vllm_greedy(out, prompts, MAX_TOKENS)
     assert vllm == hf
     assert "Paris" in hf[0]  # a sensible chat answer, not noise
 

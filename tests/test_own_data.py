@@ -58,7 +58,7 @@ def own_run(tiny_model, tmp_path_factory):
         "algo": {"name": "grpo", "group_size": GROUP},
         "training": {"batch_size": 16, "minibatch_size": 16, "steps": 2, "save_every": 0, "lr": 1e-4},
         "inference": {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0},
-        "eval": {"samples": 2},
+        "eval": {"samples": 2, "every": 1},
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     run = subprocess.run([*RAYPO, "train", "-c", str(tmp / "config.yaml")], capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -96,6 +96,10 @@ def test_training_evaluates_on_the_heldout_file_before_and_after(own_run):
         assert ev["problems"] == 20 and ev["k"] == 2
         assert set(ev) >= {"reward_mean", f"reward_mean/{tmp / 'reward.py'}:correct", "pass_rate", "pass_at_k"}
         assert ev["pass_rate"] == pytest.approx(ev["reward_mean"])  # one 0/1 term, threshold 1.0
+    metrics = [json.loads(x) for x in (tmp / "runs" / "own" / "metrics.jsonl").read_text().splitlines()]
+    # eval.every=1: after step 0 (the last step's is eval_end)
+    assert metrics[0]["eval/problems"] == 20 and "eval/pass_at_k" in metrics[0] and "eval/problems" not in metrics[1]
+    assert (tmp / "runs" / "own" / "eval_step_1.jsonl").is_file()
     per_sample = [json.loads(x) for x in (tmp / "runs" / "own" / "eval_end.jsonl").read_text().splitlines()]
     assert len(per_sample) == 20 and sum(r["passed"] for r in per_sample) / 20 == summary["eval_end"]["pass_rate"]
 

@@ -1,14 +1,13 @@
 """The embedded tiny model: tokenizer, deterministic build, warm start, and that transformers
 and vLLM load the saved directory and agree on greedy output."""
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import vllm_greedy
 
 from pipelines.config import ArithmeticTaskConfig, TinyModelConfig
 from pipelines.data.tasks import Reverse, task_from_config
@@ -108,18 +107,7 @@ def test_transformers_and_vllm_agree_on_greedy_output(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(path)
     expected = greedy_complete(model, tokenizer, prompts, max_new_tokens=8)
 
-    env = {**os.environ, "RAYPO_MAX_TOKENS": "8"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pipelines.models.vllm_engine", str(path), *prompts],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RAYPO_JSON "))
-    got = json.loads(line.removeprefix("RAYPO_JSON "))
+    got = vllm_greedy(path, prompts, 8)
     assert got == expected
     assert sum(g == p.answer for g, p in zip(got, arithmetic, strict=False)) > 0  # the model answers some correctly
 
