@@ -55,7 +55,7 @@ def main() -> None:
     print(f"{'':<18}{'tiny':>12}{'SmolLM2-135M':>14}{'135M / tiny':>13}")
     for label, key, fmt in ROWS:
         a, b = mean(tiny, key), mean(big, key)
-        print(f"{label:<18}{fmt.format(a):>12}{fmt.format(b):>14}{b / a if a else float('nan'):>12.1f}x")
+        print(f"{label:<18}{fmt.format(a):>12}{fmt.format(b):>14}{b / a if a else float('nan'):>12.2f}x")
 
 
 if __name__ == "__main__":
