@@ -21,6 +21,6 @@ class RewardActor:
         per_row = {k: [values[i] for i in batch["prompt_index"]] for k, values in fields.items()}
         return self.scorer.score(list(batch["prompt_text"]), list(batch["response_text"]), **per_row)
 
-    def score_terms(self, prompts: Sequence[str], completions: Sequence[str], fields: dict[str, list]) -> dict:
+    def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], fields: dict[str, list]) -> dict:
         """Each term's scores and the combined raw reward (`combined`) per completion, for evaluation."""
         return self.scorer.scores_by_term(prompts, completions, **fields)

@@ -292,6 +292,10 @@ def prompt_renderer(cfg: DatasetConfig, tokenizer) -> Callable[[Any, bool], str]
     """`render(prompt, is_chat) -> text`: through the chat template where `cfg` says so."""
     if cfg.chat_template is not None:
         tokenizer.chat_template = cfg.chat_template
+    # The engines tokenize prompts with the tokenizer's special tokens; a template that writes the
+    # BOS token itself would give two of them, so it is dropped from the text when the tokenizer adds one.
+    bos = tokenizer.bos_token
+    drop_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
 
     def render(prompt: Any, chat: bool) -> str:
         if not (cfg.apply_chat_template if cfg.apply_chat_template is not None else chat):
@@ -305,12 +309,7 @@ def prompt_renderer(cfg: DatasetConfig, tokenizer) -> Callable[[Any, bool], str]
             )
         messages = prompt if chat else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The engines tokenize prompts with the tokenizer's special tokens; a template that writes
-        # the BOS token itself would give two of them.
-        bos = tokenizer.bos_token
-        if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
-            text = text[len(bos) :]
-        return text
+        return text.removeprefix(bos) if drop_bos else text
 
     return render
 

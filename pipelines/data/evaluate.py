@@ -7,7 +7,9 @@ The transformers helpers below (no Ray, no vLLM) serve the tiny model's SFT chec
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -92,6 +94,13 @@ def evaluate_problems(
         summary |= {"k": k, "pass_at_k": sum(row["samples_passed"] > 0 for row in rows) / len(rows)}
         summary["sampled_pass_rate"] = sum(row["samples_passed"] for row in rows) / (k * len(rows))
     return summary, rows
+
+
+def write_rows(path: str | Path, rows: Sequence[dict]) -> None:
+    """One JSON line per evaluated problem (`evaluate_problems`' rows) to `path`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 @torch.no_grad()

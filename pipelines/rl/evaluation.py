@@ -4,7 +4,6 @@ Both hand `pipelines.data.evaluate.evaluate_problems` the same three callables."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import ray
@@ -12,7 +11,7 @@ import ray
 from actors.core.reward import RewardScorer
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import eval_max_tokens, load_task
-from pipelines.data.evaluate import evaluate_problems
+from pipelines.data.evaluate import evaluate_problems, write_rows
 from pipelines.data.tasks import Problem
 from pipelines.models import vllm_engine
 from pipelines.rl.roles import Roles
@@ -37,7 +36,7 @@ def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem])
         return _grouped(batch["response_text"], batch["prompt_index"], len(prompts))
 
     def score_terms(prompts, completions, fields):
-        return ray.get(roles.reward.score_terms.remote(prompts, completions, fields))
+        return ray.get(roles.reward.scores_by_term.remote(prompts, completions, fields))
 
     return evaluate_problems(problems, greedy, score_terms, cfg.pass_threshold, sample, k)
 
@@ -61,7 +60,5 @@ def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path
         problems, lambda ps: vllm_engine.greedy(llm, ps, max_tokens), score_terms, cfg.pass_threshold, sample, cfg.eval.samples
     )
     if out_file is not None:
-        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(out_file, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+        write_rows(out_file, rows)
     return {"model": str(model_dir), "task": task.name, **summary}

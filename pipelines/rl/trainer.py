@@ -26,6 +26,7 @@ from tqdm import tqdm
 from actors.common import check_fit
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
+from pipelines.data.evaluate import write_rows
 from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
@@ -64,8 +65,7 @@ class Trainer:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
         writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
         summary, rows = evaluate_with_roles(self.roles, self.cfg, self.eval_problems)
-        with open(self.out_dir / f"eval_{label}.jsonl", "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+        write_rows(self.out_dir / f"eval_{label}.jsonl", rows)
         return summary
 
     # ------------------------------------------------------------------ the loop
