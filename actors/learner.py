@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.common import fetch_each, limit_threads
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
-from pipelines.algos.losses import LossSpec
+from pipelines.algos.losses import DPOSpec, LossSpec
 
 
 @ray.remote(max_restarts=0)
@@ -37,8 +37,15 @@ class LearnerActor:
         object store (`ExperienceBuffer.minibatches`), fetched one at a time."""
         return self.learner.train_step(fetch_each(minibatches), loss)
 
+    def dpo_step(self, minibatches: list[ray.ObjectRef], spec: DPOSpec) -> dict[str, float]:
+        """One DPO update on the step's preference pairs, minibatch refs from the buffer."""
+        return self.learner.dpo_step(fetch_each(minibatches), spec)
+
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         return self.learner.logprobs(batch)
+
+    def pair_logprobs(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.learner.pair_logprobs(pairs)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.learner.state_dict()

@@ -1,4 +1,5 @@
-"""ReferenceActor: log-probs of rollout responses under the frozen initial policy (for the KL term)."""
+"""ReferenceActor: log-probs under the frozen initial policy, of rollout responses (the KL term)
+and of preference pairs' completions (DPO)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,7 @@ class ReferenceActor:
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """`[N, T]` reference log-probs of the batch's response tokens."""
         return self.scorer.logprobs(batch)
+
+    def pair_logprobs(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`reference_chosen`, `reference_rejected`: `[N]` summed log-probs of each pair's completions."""
+        return self.scorer.pair_logprobs(pairs)

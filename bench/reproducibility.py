@@ -2,7 +2,7 @@
 CPU kernel sets, with warm-start and final held-out accuracy per cell and their spread.
 
     .venv/bin/python bench/reproducibility.py [--seeds 0 1 2] [--capabilities avx2 avx512]
-                                              [--build-only default] [--ppo-seed 0]
+                                              [--build-only default] [--ppo-seed 0] [--algos grpo]
 
 Each cell runs `raypo train` as a user does (a subprocess, its own local Ray sized from this
 machine) in a fresh RAYPO_CACHE, so its time includes the tiny model's build, under
@@ -10,9 +10,11 @@ machine) in a fresh RAYPO_CACHE, so its time includes the tiny model's build, un
 differs as other machines' CPUs do. A capability this CPU lacks is reported, not run (torch
 would die of an illegal instruction). `--build-only` capabilities build the model under that
 kernel set (`raypo make-tiny`) and train under the native one: `default` breaks
-torch.compile inside vLLM, but the build has no vLLM. PPO (`configs/ppo_tiny.yaml`) runs for
-one seed per capability on the GRPO cell's model. Prints one row per cell, then
-min/median/max; `--json` writes the rows.
+torch.compile inside vLLM, but the build has no vLLM. `--algos` are the presets each cell runs
+(`configs/<algo>_tiny.yaml`; the first one's time includes the build, the others train on its
+model); PPO runs for one seed per capability on the cell's model (`--ppo-seed -1`: none). DPO
+rows also give the held-out preference accuracy. Prints one row per cell, then min/median/max;
+`--json` writes the rows.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def cell(algo: str, seed: int, build_cap: str, train_cap: str | None, cache: Pat
         "end": summary["eval_accuracy_end"],
         "gain": summary["eval_accuracy_end"] - summary["eval_accuracy_start"],
         "minutes": minutes,
+        "preference_accuracy": summary["eval_end"].get("reward_accuracy"),  # DPO's held-out pairs
     }
 
 
@@ -93,7 +96,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="model.tiny.seed values")
     parser.add_argument("--capabilities", nargs="+", default=["avx2", "avx512"], help="kernel sets for build and RL")
     parser.add_argument("--build-only", nargs="*", default=["default"], help="kernel sets for the build alone")
-    parser.add_argument("--ppo-seed", type=int, default=0, help="the seed PPO runs for, per capability")
+    parser.add_argument("--ppo-seed", type=int, default=0, help="the seed PPO runs for, per capability (-1: none)")
+    parser.add_argument("--algos", nargs="+", default=["grpo"], help="presets every cell runs (configs/<algo>_tiny.yaml)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
 
@@ -108,10 +112,9 @@ def main() -> None:
                 work = Path(tmp) / f"{build_cap}-{train_cap}-{seed}"
                 work.mkdir()
                 cache = work / "cache"
-                rows.append(cell("grpo", seed, build_cap, train_cap, cache, work))
-                print(json.dumps(rows[-1]), flush=True)
-                if seed == args.ppo_seed:  # on the model just built: the time excludes the build
-                    rows.append(cell("ppo", seed, build_cap, train_cap, cache, work, build=False))
+                algos = [*args.algos, *(["ppo"] if seed == args.ppo_seed else [])]
+                for i, algo in enumerate(algos):  # after the first, on the model it built: times exclude the build
+                    rows.append(cell(algo, seed, build_cap, train_cap, cache, work, build=i == 0))
                     print(json.dumps(rows[-1]), flush=True)
 
     import torch
@@ -124,13 +127,13 @@ def main() -> None:
             f"| {r['algo']} | {r['seed']} | {r['build']} | {r['train']} | {r['sft_rounds']} | {r['warm_start']:.3f} | "
             f"{r['sampled']:.3f} | {r['start']:.3f} | {r['end']:.3f} | {r['gain']:+.3f} | {r['minutes']:.1f} |"
         )
-    for algo in ("grpo", "ppo"):
+    for algo in dict.fromkeys(r["algo"] for r in rows):
         part = [r for r in rows if r["algo"] == algo]
-        if part:
-            print(
-                f"{algo}: {len(part)} cells; min / median / max: warm start {spread(part, 'warm_start')}, "
-                f"RL end {spread(part, 'end')}, gain {spread(part, 'gain')}, minutes {spread(part, 'minutes')}"
-            )
+        preference = f", preference accuracy {spread(part, 'preference_accuracy')}" if algo == "dpo" else ""
+        print(
+            f"{algo}: {len(part)} cells; min / median / max: warm start {spread(part, 'warm_start')}, "
+            f"end {spread(part, 'end')}, gain {spread(part, 'gain')}{preference}, minutes {spread(part, 'minutes')}"
+        )
     for line in skipped:
         print(f"skipped {line}")
     if args.json:

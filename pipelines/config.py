@@ -133,6 +133,8 @@ class DatasetConfig(Strict):
     max_bad_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of malformed rows tolerated (skipped, reported); above it the run stops at load"
     )
+    chosen_key: str = Field("chosen", description="DPO: column of the preferred completion (a string or chat messages)")
+    rejected_key: str = Field("rejected", description="DPO: column of the dispreferred completion (a string or chat messages)")
 
 
 class TaskSection(Strict):
@@ -221,6 +223,9 @@ class AlgoConfig(Strict):
     dpo_beta: float = Field(0.1, gt=0, description="DPO temperature")
     dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
+    dpo_nll_coef: float = Field(
+        0.0, ge=0, description="weight of the chosen completions' NLL per token beside the DPO loss (RPO; TRL's rpo_alpha)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -247,8 +252,8 @@ class AlgoConfig(Strict):
     @model_validator(mode="after")
     def _fits_the_algorithm(self):
         pair = f"algo.name={self.name} with algo.advantage={self.advantage}"
-        if self.name == "dpo":
-            raise ValueError("algo.name=dpo has no training pipeline yet (only its loss is built); use grpo, gspo or ppo")
+        if self.name == "dpo" and self.advantage == "gae":
+            raise ValueError(f"{pair}: DPO learns from preference pairs, with no critic; leave algo.advantage out")
         if self.name == "ppo" and self.advantage != "gae":
             raise ValueError(f"{pair}: PPO trains a critic for GAE advantages; use algo.advantage=gae, or algo.name=grpo")
         if self.name in ("grpo", "gspo") and self.advantage == "gae":
@@ -268,6 +273,16 @@ class AlgoConfig(Strict):
     def uses_critic(self) -> bool:
         """Whether the run trains a value model (PPO's GAE advantages need one)."""
         return self.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run needs the frozen reference model: DPO's loss, or a KL penalty."""
+        return self.name == "dpo" or self.kl_coef > 0
+
+    @property
+    def generates(self) -> bool:
+        """Whether the run samples completions (RL) rather than learning from given pairs (DPO)."""
+        return self.name != "dpo"
 
 
 # ----------------------------------------------------------------------------- training, inference, resources

@@ -99,7 +99,7 @@ def test_parse_cpu_list():
         (["algo.name=ppo", "algo.advantage=grpo"], r"algo\.name=ppo with algo\.advantage=grpo: PPO trains a critic"),
         (["algo.name=grpo", "algo.advantage=gae"], r"algo\.name=grpo with algo\.advantage=gae: grpo has no critic"),
         (["algo.name=gspo", "algo.policy_loss=ppo"], r"algo\.name=gspo with algo\.policy_loss=ppo"),
-        (["algo.name=dpo"], r"algo\.name=dpo has no training pipeline yet"),
+        (["algo.name=dpo", "algo.advantage=gae"], r"algo\.name=dpo with algo\.advantage=gae: DPO learns from preference"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused_at_load_naming_both_keys(overrides, message):
@@ -115,3 +115,7 @@ def test_the_algorithm_sets_its_own_defaults():
         "ppo": ("gae", "ppo", True),
     }
     assert load_config(None, ["algo.name=gspo", "algo.advantage=rloo"]).algo.advantage == "rloo"
+    # DPO samples nothing and always needs the reference model (its loss compares against it)
+    dpo = load_config(None, ["algo.name=dpo", "algo.kl_coef=0"]).algo
+    assert (dpo.generates, dpo.uses_reference, dpo.uses_critic) == (False, True, False)
+    assert (algos["grpo"].generates, load_config(None, ["algo.kl_coef=0"]).algo.uses_reference) == (True, False)

@@ -21,6 +21,7 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.config",
     "pipelines.data.dataset",
     "pipelines.data.evaluate",
+    "pipelines.data.preferences",
     "pipelines.data.rewards",
     "pipelines.data.tasks",
     "pipelines.models.sft",

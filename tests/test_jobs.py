@@ -23,7 +23,7 @@ def test_train_runs_under_ray_job_submission(tiny_model, tmp_path):
             f"{sys.executable} -m pipelines.cli train --set name=job --set training.steps=2 "
             f"--set task.eval_problems=20 --set output_dir={tmp_path}"
         )
-        job = client.submit_job(entrypoint=entrypoint)
+        job = _submit_when_the_job_agent_is_up(client, entrypoint)
         deadline = time.monotonic() + 400
         while client.get_job_status(job) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
             assert time.monotonic() < deadline, "job did not finish in time"
@@ -35,3 +35,17 @@ def test_train_runs_under_ray_job_submission(tiny_model, tmp_path):
         assert "Started a local Ray instance" not in logs  # it joined this cluster instead
     finally:
         ray.shutdown()
+
+
+def _submit_when_the_job_agent_is_up(client, entrypoint: str, wait_s: float = 90) -> str:
+    """Ray's job agent registers a while after the head starts (longer on a busy 2-core machine);
+    until then a submission is refused with "No available agent to submit job, please try again
+    later", so try again, as the message asks, for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint)
+        except RuntimeError as err:
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(3)

@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.core.modeling import response_logits, sequence_tensors
+from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_tensors
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
     POLICY_LOSSES,
+    DPOSpec,
     LossSpec,
+    dpo_loss,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
     masked_aggregate,
 )
-
-STEP_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,12 @@ class Learner:
         Returns metrics averaged over the minibatches (and identical on every rank).
         """
         self.engine.train()
-        results = [self._minibatch_step(mb, loss) for mb in minibatches]
+        return self._steps_done([self._minibatch_step(mb, loss) for mb in minibatches])
+
+    def _steps_done(self, results: list[dict[str, float]]) -> dict[str, float]:
+        """A step's metrics: the mean over its minibatches' updates (skipped ones report none)."""
         self.steps_done += 1
-        done = [r for r in results if r["update_success"]] or results  # skipped updates report no metrics
+        done = [r for r in results if r["update_success"]] or results
         out = {key: sum(r[key] for r in done) / len(done) for key in done[0]}
         out["update_success"] = sum(r["update_success"] for r in results) / len(results)
         return out
@@ -149,10 +152,23 @@ class Learner:
             kl = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl
+        local = {
+            "loss": total.item(),
+            "pg_loss": pg_loss.item(),
+            "entropy": entropy.item(),
+            "kl": kl.item(),
+            "clip_fraction": metrics["clip_fraction"],
+            "approx_kl": metrics["approx_kl"],
+        }
+        return self._update(total, local)
+
+    def _update(self, total: torch.Tensor, local: dict[str, float]) -> dict[str, float]:
+        """One optimizer step on this rank's share `total` of a minibatch's loss; `local` are the
+        rank's metrics, each its share of the minibatch's value (so their sum over ranks is it)."""
         if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
             # A non-finite loss would poison the weights: skip this update, report it.
             self.engine.zero_grad()
-            return dict.fromkeys(STEP_METRICS, float("nan")) | {"update_success": 0.0}
+            return dict.fromkeys([*local, "grad_norm"], float("nan")) | {"update_success": 0.0}
         self._set_lr()
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
@@ -166,20 +182,47 @@ class Learner:
         self.optimizer_steps += 1
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        local = {
-            "loss": total.item(),
-            "pg_loss": pg_loss.item(),
-            "entropy": entropy.item(),
-            "kl": kl.item(),
-            "clip_fraction": metrics["clip_fraction"],
-            "approx_kl": metrics["approx_kl"],
-        }
         # Losses: each rank holds world_size * (its token sum) / (batch tokens), so the mean over
         # ranks is the whole batch's loss. Ratios (clip fraction, approx KL): the mean of the ranks'.
         out = {k: v / self.world_size for k, v in self._sum_over_ranks(local).items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["update_success"] = 1.0
         return out
+
+    def dpo_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], spec: DPOSpec) -> dict[str, float]:
+        """DPO update on a step's preference pairs (`pipelines.data.preferences.encode_pairs` rows
+        with `reference_chosen` / `reference_rejected`), one optimizer step per minibatch; every
+        rank gets the whole minibatch and trains on its share of the pairs."""
+        self.engine.train()
+        return self._steps_done([self._dpo_minibatch_step(mb, spec) for mb in minibatches])
+
+    def _dpo_minibatch_step(self, pairs: Mapping[str, np.ndarray], spec: DPOSpec) -> dict[str, float]:
+        n = len(pairs["prompt_ids"])
+        mine = self._my_rows(np.arange(n))
+        policy = {side: completion_logprobs(self.engine, pairs, mine, side) for side in COMPLETIONS}  # [n] each
+        reference = {side: torch.from_numpy(pairs[f"reference_{side}"][mine]).float() for side in COMPLETIONS}
+        # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
+        loss, metrics = dpo_loss(
+            policy["chosen"],
+            policy["rejected"],
+            reference["chosen"],
+            reference["rejected"],
+            beta=spec.beta,
+            kind=spec.kind,
+            label_smoothing=spec.label_smoothing,
+            normalizer=n / self.world_size,
+            nll_coef=spec.nll_coef,
+            chosen_tokens=torch.from_numpy(pairs["chosen_mask"][mine].sum(axis=1)).float(),
+        )
+        return self._update(loss, {"loss": loss.item(), **metrics})
+
+    @torch.no_grad()
+    def pair_logprobs(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`policy_chosen`, `policy_rejected`: `[N]` summed log-probs of each pair's completions
+        under the current weights (all pairs)."""
+        self.engine.eval()
+        rows = np.arange(len(pairs["prompt_ids"]))
+        return {f"policy_{side}": completion_logprobs(self.engine, pairs, rows, side).numpy() for side in COMPLETIONS}
 
     def _set_lr(self) -> None:
         scale = min(1.0, (self.optimizer_steps + 1) / self.spec.warmup_steps) if self.spec.warmup_steps else 1.0

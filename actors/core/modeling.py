@@ -11,6 +11,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from pipelines.algos.losses import logprobs_from_logits
+
 
 def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
     """Model inputs for `rows` of a batch: prompt (left-padded) + response (right-padded).
@@ -46,3 +48,26 @@ def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) 
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
     return out.logits[:, P - 1 : P - 1 + T].float() / temperature  # position P-1 predicts response token 0
+
+
+COMPLETIONS = ("chosen", "rejected")  # the two sides of a preference pair
+
+
+def completion_view(pairs: Mapping[str, np.ndarray], side: str) -> dict[str, np.ndarray]:
+    """One side of a batch of preference pairs (`pipelines.data.preferences.encode_pairs`) as a
+    batch of sequences: its prompt and the `side` completion as the response."""
+    return {
+        "prompt_ids": pairs["prompt_ids"],
+        "prompt_mask": pairs["prompt_mask"],
+        "response_ids": pairs[f"{side}_ids"],
+        "response_mask": pairs[f"{side}_mask"],
+    }
+
+
+def completion_logprobs(model, pairs: Mapping[str, np.ndarray], rows: np.ndarray, side: str) -> torch.Tensor:
+    """Summed log-probability `[n]` of the `side` completion of each pair in `rows`, at the
+    model's own temperature (1): DPO compares these sequence log-probs."""
+    inputs = sequence_tensors(completion_view(pairs, side), rows)
+    logits = response_logits(model, inputs, 1.0)  # [n, T, V]
+    logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]  # [n, T]
+    return logp.sum(dim=-1)  # [n, T] -> [n]

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.core.modeling import response_logits, sequence_tensors
+from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_tensors
 from pipelines.algos.losses import logprobs_from_logits
 
 
@@ -29,3 +29,14 @@ class ReferenceScorer:
             logits = response_logits(self.model, inputs, self.temperature)
             out.append(logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"])
         return torch.cat(out).numpy().astype(np.float32)
+
+    @torch.no_grad()
+    def pair_logprobs(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`reference_chosen` and `reference_rejected`: `[N]` summed log-probs of each pair's
+        completions (DPO's reference terms, computed once per pair)."""
+        n = len(pairs["prompt_ids"])
+        chunks = [np.arange(start, min(n, start + self.batch_rows)) for start in range(0, n, self.batch_rows)]
+        return {
+            f"reference_{side}": torch.cat([completion_logprobs(self.model, pairs, rows, side) for rows in chunks]).numpy()
+            for side in COMPLETIONS
+        }

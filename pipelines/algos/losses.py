@@ -189,6 +189,16 @@ def value_loss(
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class DPOSpec:
+    """The loss of one DPO update (from `algo.dpo_*`)."""
+
+    beta: float = 0.1
+    kind: str = "sigmoid"
+    label_smoothing: float = 0.0
+    nll_coef: float = 0.0
+
+
 def dpo_loss(
     policy_chosen: Tensor,
     policy_rejected: Tensor,
@@ -197,6 +207,9 @@ def dpo_loss(
     beta: float = 0.1,
     kind: str = "sigmoid",
     label_smoothing: float = 0.0,
+    normalizer: float | Tensor | None = None,
+    nll_coef: float = 0.0,
+    chosen_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Direct Preference Optimization. Inputs are `[B]` summed sequence log-probs.
 
@@ -204,6 +217,12 @@ def dpo_loss(
     - sigmoid (Rafailov et al. 2023, Eq. 7; conservative DPO with label smoothing):
       mean(-(1 - ls) log sigmoid(beta d) - ls log sigmoid(-beta d))
     - ipo (Azar et al. 2023, Eq. 17): mean((d - 1 / (2 beta))^2)
+    plus `nll_coef` times the chosen completions' negative log-likelihood per token,
+    mean(-policy_chosen / chosen_tokens) (RPO, Pang et al. 2024, Eq. 1; TRL's `rpo_alpha`), which
+    keeps DPO from lowering the chosen completions along with the rejected ones.
+
+    The mean, and the metrics' means, divide by `normalizer` pairs (None: this batch's B), so a
+    learner holding a shard of the pairs passes the whole batch's count (as `masked_aggregate`).
     """
     delta = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)  # [B]
     if kind == "sigmoid":
@@ -212,14 +231,23 @@ def dpo_loss(
         per_pair = (delta - 1 / (2 * beta)).square()
     else:
         raise ValueError(f"unknown DPO loss kind {kind!r}; known: sigmoid, ipo")
-    loss = per_pair.mean()
+    pairs = torch.ones_like(delta)[:, None]  # each pair is one unit: [B] -> [B, 1]
+
+    def mean(values: Tensor) -> Tensor:
+        return masked_aggregate(values[:, None], pairs, "token-mean", normalizer)
+
+    loss = mean(per_pair)
+    nll = -policy_chosen / (chosen_tokens.clamp(min=1) if chosen_tokens is not None else 1.0)  # [B]
+    if nll_coef:
+        loss = loss + nll_coef * mean(nll)
     with torch.no_grad():
         chosen_reward = beta * (policy_chosen - ref_chosen)  # [B]
         rejected_reward = beta * (policy_rejected - ref_rejected)  # [B]
         metrics = {
-            "reward_accuracy": (chosen_reward > rejected_reward).float().mean().item(),
-            "reward_margin": (chosen_reward - rejected_reward).mean().item(),
-            "chosen_reward": chosen_reward.mean().item(),
-            "rejected_reward": rejected_reward.mean().item(),
+            "reward_accuracy": mean((chosen_reward > rejected_reward).to(delta.dtype)).item(),
+            "reward_margin": mean(chosen_reward - rejected_reward).item(),
+            "chosen_reward": mean(chosen_reward).item(),
+            "rejected_reward": mean(rejected_reward).item(),
+            "chosen_nll": mean(nll).item(),
         }
     return loss, metrics

@@ -9,14 +9,17 @@ with "Expected object or value" and no line); CSV, Parquet and saved datasets ar
 `datasets`.
 
 A row is malformed when its prompt column is missing or neither a string nor chat messages
-(`[{"role": ..., "content": ...}, ...]`), or its answer column is missing or not a scalar. Bad
-rows are reported as `file:line: reason`; past `max_bad_fraction` the load stops with all of
-them counted, before any actor starts. Prompts longer than `max_prompt_tokens` (after the chat
-template) are dropped and counted.
+(`[{"role": ..., "content": ...}, ...]`), or its answer column is missing or not a scalar. For
+DPO a row is a preference pair instead (`preference_problem`: a prompt with `chosen` and
+`rejected` completions, strings or chat messages, TRL's formats), malformed when one of them is
+missing, empty or of another type. Bad rows are reported as `file:line: reason`; past
+`max_bad_fraction` the load stops with all of them counted, before any actor starts. Prompts
+longer than `max_prompt_tokens` (after the chat template) are dropped and counted.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import random
@@ -215,31 +218,97 @@ def row_problem(data: Any, cfg: DatasetConfig, render: Callable[[Any, bool], str
             f"column {cfg.prompt_key!r} must be a non-empty string or chat messages [{{role, content}}, ...], "
             f"got {type(prompt).__name__}"
         )
-    clash = [k for k in RESERVED_COLUMNS if k in data] + (["answer"] if "answer" in data and cfg.answer_key != "answer" else [])
-    if clash:
-        raise ValueError(f"column {clash[0]!r} clashes with the reward functions' argument of that name; rename it")
+    _check_no_clash(data, cfg)
     fields = {k: v for k, v in data.items() if k != cfg.prompt_key}
-    answer = None
-    if cfg.answer_key is not None:
-        if cfg.answer_key not in data:
-            raise ValueError(f"no answer column {cfg.answer_key!r} (columns: {', '.join(map(str, data))})")
-        value = data[cfg.answer_key]
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ValueError(f"column {cfg.answer_key!r} must be a string or a number, got {type(value).__name__}")
-        answer = str(value)
+    answer = _answer(data, cfg, required=True)
+    if answer is not None:
         fields["answer"] = answer
     return Problem(prompt=render(prompt, chat), answer=answer, fields=fields)
 
 
+def _answer(data: dict, cfg: DatasetConfig, required: bool) -> str | None:
+    """The row's answer as text; a missing column is an error when `required`, else None."""
+    if cfg.answer_key is None or (cfg.answer_key not in data and not required):
+        return None
+    if cfg.answer_key not in data:
+        raise ValueError(f"no answer column {cfg.answer_key!r} (columns: {', '.join(map(str, data))})")
+    value = data[cfg.answer_key]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"column {cfg.answer_key!r} must be a string or a number, got {type(value).__name__}")
+    return str(value)
+
+
+def _check_no_clash(data: dict, cfg: DatasetConfig) -> None:
+    clash = [k for k in RESERVED_COLUMNS if k in data] + (["answer"] if "answer" in data and cfg.answer_key != "answer" else [])
+    if clash:
+        raise ValueError(f"column {clash[0]!r} clashes with the reward functions' argument of that name; rename it")
+
+
+def _columns(data: dict) -> str:
+    return ", ".join(map(str, data)) or "none"
+
+
+def preference_problem(data: Any, cfg: DatasetConfig, render: Renderer) -> Problem:
+    """The `Problem` of one preference row (DPO), or ValueError naming what is wrong with it.
+
+    TRL's preference formats: `{prompt, chosen, rejected}` with the completions as strings or as
+    assistant messages, or only `chosen` and `rejected` as whole conversations that share every
+    message but the last (the prompt is that shared part). The answer column is optional here.
+    Its fields hold the rendered `chosen` and `rejected` texts.
+
+    >>> from pipelines.config import DatasetConfig
+    >>> cfg, plain = DatasetConfig(path="x.jsonl"), Renderer(lambda p, chat: p, lambda p, chat, c: c)
+    >>> preference_problem({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, cfg, plain).fields
+    {'chosen': '4', 'rejected': '5', 'answer': None}
+    >>> preference_problem({"prompt": "2+2=", "chosen": "4", "rejected": " "}, cfg, plain)
+    Traceback (most recent call last):
+    ...
+    ValueError: column 'rejected' must be a non-empty string or chat messages [{role, content}, ...], got an empty string
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"a row must be an object of columns, got {type(data).__name__}")
+    keys = {"chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
+    for side, key in keys.items():
+        if key not in data:
+            raise ValueError(f"no {side} column {key!r} (columns: {_columns(data)})")
+    completions = {side: data[key] for side, key in keys.items()}
+    if cfg.prompt_key in data:
+        prompt = data[cfg.prompt_key]
+    elif all(_is_chat(c) for c in completions.values()):  # implicit prompt: the conversations' shared head
+        prompt = completions["chosen"][:-1]
+        if not prompt or completions["rejected"][:-1] != prompt:
+            raise ValueError(f"no prompt column {cfg.prompt_key!r}, and chosen and rejected differ before their last message")
+        completions = {side: c[-1:] for side, c in completions.items()}
+    else:
+        raise ValueError(f"no prompt column {cfg.prompt_key!r} (columns: {_columns(data)})")
+    chat = _is_chat(prompt)
+    _check_no_clash(data, cfg)
+    _check_text_or_chat(prompt, cfg.prompt_key)
+    for side, completion in completions.items():
+        _check_text_or_chat(completion, keys[side])
+    fields = {k: v for k, v in data.items() if k not in (cfg.prompt_key, *keys.values())}
+    fields |= {side: render.completion(prompt, chat, c) for side, c in completions.items()}
+    fields["answer"] = _answer(data, cfg, required=False)
+    return Problem(prompt=render.prompt(prompt, chat), answer=fields["answer"], fields=fields)
+
+
+def _check_text_or_chat(value: Any, key: str) -> None:
+    if _is_chat(value) or (isinstance(value, str) and value.strip()):
+        return
+    got = "an empty string" if isinstance(value, str) else type(value).__name__
+    raise ValueError(f"column {key!r} must be a non-empty string or chat messages [{{role, content}}, ...], got {got}")
+
+
 def load_split(
-    rows: list[Row], cfg: DatasetConfig, render: Callable[[Any, bool], str], count_tokens: Callable[[str], int]
+    rows: list[Row], cfg: DatasetConfig, parse: Callable[[Any], Problem], count_tokens: Callable[[str], int]
 ) -> Loaded:
+    """`parse` each row into a `Problem`; malformed rows (ValueError) and too long prompts are counted."""
     out = Loaded(rows=len(rows))
     for row in rows:
         try:
             if isinstance(row.data, _Bad):
                 raise ValueError(row.data.reason)
-            problem = row_problem(row.data, cfg, render)
+            problem = parse(row.data)
         except ValueError as err:
             out.bad.append(f"{row.where}: {err}")
             continue
@@ -288,8 +357,18 @@ class DatasetTask(Task):
             yield from epoch
 
 
-def prompt_renderer(cfg: DatasetConfig, tokenizer) -> Callable[[Any, bool], str]:
-    """`render(prompt, is_chat) -> text`: through the chat template where `cfg` says so."""
+@dataclass(frozen=True)
+class Renderer:
+    """How a dataset's prompts and completions become text: `prompt(prompt, is_chat)` and
+    `completion(prompt, is_chat, completion)`, through the model's chat template where the
+    config says so."""
+
+    prompt: Callable[[Any, bool], str]
+    completion: Callable[[Any, bool, Any], str]
+
+
+def renderer(cfg: DatasetConfig, tokenizer) -> Renderer:
+    """The `Renderer` of `cfg` with `tokenizer` (the model's)."""
     if cfg.chat_template is not None:
         tokenizer.chat_template = cfg.chat_template
     # The engines tokenize prompts with the tokenizer's special tokens; a template that writes the
@@ -297,26 +376,53 @@ def prompt_renderer(cfg: DatasetConfig, tokenizer) -> Callable[[Any, bool], str]
     bos = tokenizer.bos_token
     drop_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
 
-    def render(prompt: Any, chat: bool) -> str:
-        if not (cfg.apply_chat_template if cfg.apply_chat_template is not None else chat):
-            if chat:
-                raise ValueError("chat messages need a chat template; set task.dataset.apply_chat_template: true")
-            return prompt
+    def template(messages: list, generation_prompt: bool) -> str:
         if tokenizer.chat_template is None:
             raise DatasetError(
                 "the model's tokenizer has no chat template; give one in task.dataset.chat_template, "
                 "or use plain string prompts with apply_chat_template: false"
             )
-        messages = prompt if chat else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         return text.removeprefix(bos) if drop_bos else text
 
-    return render
+    def messages(prompt: Any, chat: bool) -> list | None:
+        """The prompt as chat messages when it goes through the template, else None."""
+        if not (cfg.apply_chat_template if cfg.apply_chat_template is not None else chat):
+            if chat:
+                raise ValueError("chat messages need a chat template; set task.dataset.apply_chat_template: true")
+            return None
+        return prompt if chat else [{"role": "user", "content": prompt}]
+
+    def render_prompt(prompt: Any, chat: bool) -> str:
+        as_chat = messages(prompt, chat)
+        return prompt if as_chat is None else template(as_chat, generation_prompt=True)
+
+    def render_completion(prompt: Any, chat: bool, completion: Any) -> str:
+        """A completion given as assistant messages is the template's text after the prompt's."""
+        if not _is_chat(completion):
+            return completion
+        as_chat = messages(prompt, chat)
+        if as_chat is None:
+            raise ValueError("chat-message completions need a chat template; set task.dataset.apply_chat_template: true")
+        head, whole = template(as_chat, generation_prompt=True), template([*as_chat, *completion], generation_prompt=False)
+        if not whole.startswith(head):
+            raise ValueError(
+                "the chat template renders the conversation with another start than the prompt alone; "
+                "give the completions as strings"
+            )
+        return whole[len(head) :]
+
+    return Renderer(render_prompt, render_completion)
 
 
-def load_dataset_task(cfg: DatasetConfig, tokenizer) -> DatasetTask:
-    """The task `cfg` describes, prompts rendered and counted with `tokenizer` (the model's)."""
-    render = prompt_renderer(cfg, tokenizer)
+def load_dataset_task(cfg: DatasetConfig, tokenizer, preferences: bool = False) -> DatasetTask:
+    """The task `cfg` describes, prompts rendered and counted with `tokenizer` (the model's);
+    with `preferences`, rows are preference pairs (DPO: `preference_problem`)."""
+    render = renderer(cfg, tokenizer)
+    if preferences:
+        parse = functools.partial(preference_problem, cfg=cfg, render=render)
+    else:
+        parse = functools.partial(row_problem, cfg=cfg, render=render.prompt)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text)["input_ids"])
@@ -332,10 +438,10 @@ def load_dataset_task(cfg: DatasetConfig, tokenizer) -> DatasetTask:
             raise DatasetError(f"task.dataset.heldout_split {cfg.heldout_split!r}: the dataset's splits are {splits}")
         heldout_rows = read_rows(cfg.path, split)[0] if split else []
         heldout_from = f"split {split!r}" if split else f"{cfg.heldout_percent}% of the prompts by hash"
-    train = load_split(rows, cfg, render, count_tokens)
+    train = load_split(rows, cfg, parse, count_tokens)
     check_bad_rows(train, cfg, f"task.dataset.path {cfg.path!r}")
     if heldout_rows:
-        heldout = load_split(heldout_rows, cfg, render, count_tokens)
+        heldout = load_split(heldout_rows, cfg, parse, count_tokens)
         check_bad_rows(heldout, cfg, f"held-out ({heldout_from})")
     else:  # a stable hashed share of the prompts, as the built-in tasks split theirs
         heldout = Loaded(problems=[p for p in train.problems if in_heldout(p.prompt, cfg.heldout_percent)])
@@ -363,7 +469,8 @@ def load_task(cfg: RaypoConfig, model_dir: str | Path) -> Task:
         return task_from_config(cfg.task.task)
     from transformers import AutoTokenizer  # heavy: only a dataset's prompts need the tokenizer
 
-    return load_dataset_task(cfg.task.dataset, AutoTokenizer.from_pretrained(str(model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return load_dataset_task(cfg.task.dataset, tokenizer, preferences=not cfg.algo.generates)
 
 
 def eval_max_tokens(cfg: RaypoConfig, problems: list[Problem]) -> int:

@@ -38,7 +38,16 @@ class Alerts:
             alerts.append(f"grad norm {m['grad_norm']:.3f} > {cfg.grad_norm_alert}")
         if m.get("kl", 0.0) > cfg.kl_alert:
             alerts.append(f"KL to reference {m['kl']:.4f} > {cfg.kl_alert}")
-        reward = m["reward_mean"]
+        if "reward_mean" in m:  # RL's reward (DPO, which samples nothing, has none)
+            alerts += self._reward_trend(m["reward_mean"])
+        if m.get("reward_all_zero"):
+            alerts.append("every reward of the step is at the bottom of its range: check the reward model's health")
+        if m.get("update_success", 1.0) < 1.0:
+            alerts.append("non-finite loss: the update was skipped")
+        return alerts
+
+    def _reward_trend(self, reward: float) -> list[str]:
+        cfg, alerts = self.cfg, []
         if self.window:
             mean = sum(self.window) / len(self.window)
             self.falling_streak = self.falling_streak + 1 if mean - reward > cfg.reward_drop * self.reward_span else 0
@@ -48,10 +57,6 @@ class Alerts:
                     f"on {self.falling_streak} consecutive steps"
                 )
         self.window.append(reward)
-        if m.get("reward_all_zero"):
-            alerts.append("every reward of the step is at the bottom of its range: check the reward model's health")
-        if m.get("update_success", 1.0) < 1.0:
-            alerts.append("non-finite loss: the update was skipped")
         return alerts
 
     def to_print(self, step: int, alerts: list[str]) -> list[str]:
@@ -104,10 +109,12 @@ class Sinks:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        # RL's mean reward; DPO's mean implicit reward margin (chosen minus rejected)
+        key = "reward_mean" if "reward_mean" in self.history[0] else "reward_margin"
         steps = [m["step"] for m in self.history]
-        rewards = [m["reward_mean"] for m in self.history]
+        rewards = [m[key] for m in self.history]
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, rewards, label="reward mean", alpha=0.5)
+        ax.plot(steps, rewards, label=key.replace("_", " "), alpha=0.5)
         if len(rewards) >= 5:
             k = max(5, len(rewards) // 20)
             smooth = [

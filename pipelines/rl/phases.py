@@ -57,7 +57,10 @@ def group_size_at(cfg: RaypoConfig, step: int) -> int:
 
 
 def prompts_at(cfg: RaypoConfig, step: int) -> int:
-    """Prompts per step: the batch's samples divided among groups of `group_size_at(step)`."""
+    """Prompts per step: the batch's samples divided among groups of `group_size_at(step)`
+    (DPO, which samples nothing, learns from `batch_size` preference pairs)."""
+    if not cfg.algo.generates:
+        return cfg.training.batch_size
     return max(1, cfg.training.batch_size // group_size_at(cfg, step))
 
 
@@ -131,21 +134,27 @@ def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, st
     """The phases every RL algorithm ends with: store the experience in the buffer, update the
     policy (and the critic, if there is one, alongside) on the minibatches the buffer serves,
     sync weights. Returns the step's metrics."""
+    loss = policy_loss_spec(cfg, step)
+    metrics = store_learn_sync(roles, cfg, step, batch, targets, phases, "train_step", loss)
+    return {"group_size": group_size_at(cfg, step), **ray.get(stats), **metrics, "clip_eps": loss.clip_low}
+
+
+def store_learn_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, phases: Phases, update: str, spec) -> dict:
+    """Store the step's rows in the buffer, run the learners' `update` method (`train_step`,
+    `dpo_step`) with `spec` on the minibatches the buffer serves (the critic, if there is one,
+    alongside), sync weights. Returns the buffer's and the update's metrics and the phases' times."""
     training = cfg.training
     stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
     # Refs to the step's minibatches (rows shuffled with the step's seed), which the learners and
     # the critic fetch from the object store themselves; the driver never holds the data.
     minibatches = roles.buffer.minibatches.remote(step, training.minibatch_size, cfg.seed + step, training.epochs, stored)
-    loss = policy_loss_spec(cfg, step)
     critic = roles.value.train_step.remote(minibatches) if roles.value else None
-    learned = roles.learners.run("train_step", minibatches, loss)[0]  # identical on every rank
+    learned = roles.learners.run(update, minibatches, spec)[0]  # identical on every rank
     side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
     roles.weight_sync.push(step + 1)
     phases.done("sync")
-    metrics = {"group_size": group_size_at(cfg, step), **ray.get(stats), **buffer_metrics(ray.get(stored)), **learned}
-    metrics.update(side_metrics)
-    return {**metrics, **phases.times, "clip_eps": loss.clip_low}
+    return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.times}
 
 
 def reward_floor(cfg: RaypoConfig) -> float:

@@ -23,6 +23,7 @@ from actors.rollout import RolloutActor
 from actors.value import ValueActor
 from actors.weight_sync import WeightSync, make_weight_sync
 from pipelines.config import RaypoConfig
+from pipelines.data.preferences import encode_pairs_for
 from pipelines.rl.experience import concat_batches, prepare_experience
 
 
@@ -42,7 +43,9 @@ class Roles:
     weight_sync: WeightSync
     prepare_experience: RemoteFunction  # rl/experience.py's prepare_experience, as a Ray task
     concat_batches: RemoteFunction  # rl/experience.py's concat_batches, as a Ray task
-    reference: ActorHandle[ReferenceActor] | None = None  # only with a KL term (algo.kl_coef > 0)
+    encode_pairs: RemoteFunction  # data/preferences.py's encode_pairs_for(model_dir, pairs), as a Ray task
+    model_dir: str  # the policy's starting weights and tokenizer
+    reference: ActorHandle[ReferenceActor] | None = None  # only for DPO or a KL term (algo.uses_reference)
     value: ActorHandle[ValueActor] | None = None  # only with a critic (algo.advantage = gae)
 
     def shutdown(self) -> None:
@@ -69,7 +72,7 @@ def cpu_plan(cfg: RaypoConfig) -> dict[str, float]:
         "buffer": ROLE_CPUS["buffer"],
         "helper tasks": HELPER_TASKS * ROLE_CPUS["helper task"],
     }
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.uses_reference:
         plan["reference"] = ROLE_CPUS["reference"]
     if cfg.algo.uses_critic:
         plan["value"] = ROLE_CPUS["value"]
@@ -129,7 +132,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
     buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)
     reference = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.uses_reference:
         reference = ReferenceActor.options(num_cpus=ROLE_CPUS["reference"]).remote(
             str(model_dir), cfg.inference.temperature, threads
         )
@@ -147,6 +150,8 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
         weight_sync=make_weight_sync(res.weight_sync, learners, rollouts, res.use_gpu),
         prepare_experience=ray.remote(num_cpus=ROLE_CPUS["helper task"], num_returns=2)(prepare_experience),
         concat_batches=ray.remote(num_cpus=ROLE_CPUS["helper task"])(concat_batches),
+        encode_pairs=ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_pairs_for),
+        model_dir=str(model_dir),
         reference=reference,
         value=value,
     )

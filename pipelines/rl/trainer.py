@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -31,6 +32,7 @@ from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
 from pipelines.rl.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelines.rl.dpo import dpo_evaluate, dpo_step
 from pipelines.rl.evaluation import evaluate_with_roles
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
@@ -39,10 +41,26 @@ from pipelines.rl.ppo import ppo_step
 from pipelines.rl.roles import Roles, build_roles, check_fits
 
 MetricsCallback = Callable[[dict], None]
-PIPELINES: Registry[Callable] = Registry("algorithm pipeline")
-PIPELINES.register("grpo")(grpo_step)
-PIPELINES.register("gspo")(grpo_step)  # GRPO's pipeline; config gives algo.name=gspo the sequence-level policy loss
-PIPELINES.register("ppo")(ppo_step)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An algorithm's training step, `step(roles, cfg, step, problems) -> metrics`, and what it
+    adds to the held-out evaluation, `evaluate(roles, cfg, problems) -> metrics` (None: nothing)."""
+
+    step: Callable[..., dict]
+    evaluate: Callable[..., dict] | None = None
+
+
+PIPELINES: Registry[Pipeline] = Registry("algorithm pipeline")
+PIPELINES.register("grpo")(Pipeline(grpo_step))
+PIPELINES.register("gspo")(Pipeline(grpo_step))  # GRPO's pipeline; config gives algo.name=gspo the sequence-level policy loss
+PIPELINES.register("ppo")(Pipeline(ppo_step))
+PIPELINES.register("dpo")(Pipeline(dpo_step, evaluate=dpo_evaluate))
+
+
+# Shown beside the progress bar when a step reports them (RL: reward and KL; DPO: loss and reward accuracy).
+PROGRESS_KEYS = ("reward_mean", "kl", "loss", "reward_accuracy", "step_time")
 
 
 class TrainingError(RuntimeError):
@@ -54,7 +72,7 @@ class Trainer:
         if cfg.algo.name not in PIPELINES:
             raise TrainingError(f"algorithm {cfg.algo.name!r} has no RL pipeline yet; known: {', '.join(PIPELINES.names())}")
         self.cfg, self.model_dir, self.task, self.on_metrics = cfg, model_dir, task, on_metrics
-        self.step_fn = PIPELINES.get(cfg.algo.name)
+        self.pipeline = PIPELINES.get(cfg.algo.name)
         self.out_dir = Path(cfg.output_dir) / cfg.name
         self.ckpt_root = self.out_dir / "checkpoints"
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +84,8 @@ class Trainer:
         writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
         summary, rows = evaluate_with_roles(self.roles, self.cfg, self.eval_problems)
         write_rows(self.out_dir / f"eval_{label}.jsonl", rows)
+        if self.pipeline.evaluate is not None:
+            summary |= self.pipeline.evaluate(self.roles, self.cfg, self.eval_problems)
         return summary
 
     # ------------------------------------------------------------------ the loop
@@ -105,9 +125,7 @@ class Trainer:
                 sinks.write(metrics)
                 if self.on_metrics:
                     self.on_metrics(metrics)
-                bar.set_postfix(
-                    reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}", s=f"{metrics['step_time']:.2f}"
-                )
+                bar.set_postfix({k: f"{metrics[k]:.4g}" for k in PROGRESS_KEYS if k in metrics})
                 bar.update()
                 every = cfg.training.save_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
@@ -131,7 +149,7 @@ class Trainer:
             **(accuracy if "accuracy" in eval_end else {}),  # exact-answer accuracy, where every problem has an answer
             "eval_start": state["eval_start"],
             "eval_end": eval_end,
-            "final_reward_mean": sinks.history[-1]["reward_mean"] if sinks.history else None,
+            "final_reward_mean": sinks.history[-1].get("reward_mean") if sinks.history else None,
             "wall_seconds": round(time.monotonic() - started, 1),
             "checkpoint": str(ckpt),
             "policy": str(final),
@@ -141,10 +159,11 @@ class Trainer:
 
     def _one_step(self, step: int, problems: list[Problem]) -> dict:
         started = time.monotonic()
-        metrics = self.step_fn(self.roles, self.cfg, step, problems)
-        step_time = time.monotonic() - started  # the phases' times overlap (reward, reference, value)
-        tokens_per_s = metrics["response_tokens"] / max(metrics["time_generate"], 1e-9)
-        return {"step": step, **metrics, "step_time": step_time, "tokens_per_s": tokens_per_s}
+        metrics = self.pipeline.step(self.roles, self.cfg, step, problems)
+        out = {"step": step, **metrics, "step_time": time.monotonic() - started}  # phases overlap: wall time
+        if "time_generate" in metrics:
+            out["tokens_per_s"] = metrics["response_tokens"] / max(metrics["time_generate"], 1e-9)
+        return out
 
 
 def _describe_failure(err: BaseException) -> str:
