@@ -41,6 +41,13 @@ class LearnerActor:
         """One DPO update on the step's preference pairs, minibatch refs from the buffer."""
         return self.learner.dpo_step(fetch_each(minibatches), spec)
 
+    def rm_step(self, minibatches: list[ray.ObjectRef]) -> dict[str, float]:
+        """One reward-model update on the step's preference pairs, minibatch refs from the buffer."""
+        return self.learner.rm_step(fetch_each(minibatches))
+
+    def pair_scores(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.learner.pair_scores(pairs)
+
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         return self.learner.logprobs(batch)
 

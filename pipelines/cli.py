@@ -89,6 +89,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_rm(args: argparse.Namespace) -> int:
+    from pipelines.rl.reward_model import train_reward_model
+
+    summary = train_reward_model(_load(args), address=args.address)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint over the OpenAI API until interrupted, or operate on a running app."""
     import ray
@@ -214,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "train-rm", help="train a Bradley-Terry reward model on preference pairs (configs/rm_tiny.yaml; use it as model:DIR)"
+    )
+    _add_config_args(p)
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
+    p.set_defaults(func=cmd_train_rm)
 
     p = sub.add_parser(
         "eval", help="held-out evaluation: mean reward per reward function, greedy pass rate, pass@k, per-sample JSONL"

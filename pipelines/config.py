@@ -285,6 +285,15 @@ class AlgoConfig(Strict):
         return self.name != "dpo"
 
 
+class RewardModelConfig(Strict):
+    """`raypo train-rm`: a Bradley-Terry reward model (a one-logit sequence-classification head on
+    the policy's architecture) trained on the preference pairs of `task` with `training`'s
+    batch sizes, steps and learning rate; saved to <output_dir>/<name>/reward_model."""
+
+    l2_coef: float = Field(1e-4, ge=0, description="L2 regularisation of the weights (the seeds' 1e-4 against RM overfitting)")
+    min_tau: float = Field(0.7, ge=-1, le=1, description="held-out Kendall tau the RM should reach (the seeds' target)")
+
+
 # ----------------------------------------------------------------------------- training, inference, resources
 class TrainingConfig(Strict):
     batch_size: int = Field(128, ge=1, description="samples (prompts x group) per RL step")
@@ -379,6 +388,7 @@ class RaypoConfig(Strict):
     resource: ResourceConfig = Field(default_factory=ResourceConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
 
     @property
     def pass_threshold(self) -> float:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pipelines.algos.losses import (
     POLICY_LOSSES,
+    bradley_terry_loss,
     dpo_loss,
     entropy_from_logits,
     kl_penalty,
@@ -217,3 +218,14 @@ def test_logprobs_from_logits_gather_the_chosen_tokens():
     ids = torch.tensor([[0, 4, 2], [1, 1, 3]])
     expected = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
     torch.testing.assert_close(logprobs_from_logits(logits, ids), expected)
+
+
+def test_bradley_terry_hand_computed_and_sharded():
+    chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0])
+    loss, metrics = bradley_terry_loss(chosen, rejected)
+    torch.testing.assert_close(loss, -F.logsigmoid(torch.tensor([1.0, -1.0, 0.0])).mean())
+    assert metrics["accuracy"] == pytest.approx(1 / 3) and metrics["margin"] == pytest.approx(0.0)
+    # two shards, each normalised by the whole batch's 3 pairs, add up to the whole loss
+    first, _ = bradley_terry_loss(chosen[:1], rejected[:1], normalizer=3)
+    rest, _ = bradley_terry_loss(chosen[1:], rejected[1:], normalizer=3)
+    torch.testing.assert_close(first + rest, loss)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_tensors
 from actors.core.weight_sync import layout_of, open_group, send
@@ -25,6 +25,7 @@ from pipelines.algos.losses import (
     POLICY_LOSSES,
     DPOSpec,
     LossSpec,
+    bradley_terry_loss,
     dpo_loss,
     entropy_from_logits,
     kl_penalty,
@@ -47,6 +48,8 @@ class LearnerSpec:
     temperature: float = 1.0
     seed: int = 0
     use_gpu: bool = False
+    head: str = "lm"  # lm: the causal LM (a policy); score: a one-logit sequence-classification head (a reward model)
+    l2_coef: float = 0.0  # L2 regularisation of the weights (Adam's coupled weight decay), for a reward model
 
 
 class Learner:
@@ -65,11 +68,14 @@ class Learner:
         )
         torch.manual_seed(spec.seed)
         deepspeed.init_distributed(dist_backend="nccl" if spec.use_gpu else "gloo", auto_mpi_discovery=False)
-        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+        model = _load_model(spec)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.tokenizer_dir = spec.model_dir
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        if spec.l2_coef:  # Adam's weight decay adds l2 * w to the gradient: the L2 penalty (l2 / 2) * |w|^2
+            optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=spec.l2_coef)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # raypo shapes batches itself; one backward per optimizer step
             "gradient_accumulation_steps": 1,
@@ -216,6 +222,34 @@ class Learner:
         )
         return self._update(loss, {"loss": loss.item(), **metrics})
 
+    def rm_step(self, minibatches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+        """Bradley-Terry update of a reward model (`head="score"`) on preference pairs
+        (`pipelines.data.preferences.encode_reward_pairs` rows), one optimizer step per minibatch;
+        every rank trains on its share of the pairs."""
+        self.engine.train()
+        return self._steps_done([self._rm_minibatch_step(mb) for mb in minibatches])
+
+    def _rm_minibatch_step(self, pairs: Mapping[str, np.ndarray]) -> dict[str, float]:
+        n = len(pairs["chosen_input_ids"])
+        mine = self._my_rows(np.arange(n))
+        chosen, rejected = (self._scores(pairs, mine, side) for side in COMPLETIONS)  # [m] each
+        # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
+        loss, metrics = bradley_terry_loss(chosen, rejected, normalizer=n / self.world_size)
+        return self._update(loss, {"loss": loss.item(), **metrics})
+
+    def _scores(self, pairs: Mapping[str, np.ndarray], rows: np.ndarray, side: str) -> torch.Tensor:
+        """The reward model's score `[n]` of one side of `rows` (its logit at the last real token)."""
+        ids = torch.from_numpy(pairs[f"{side}_input_ids"][rows])
+        mask = torch.from_numpy(pairs[f"{side}_attention_mask"][rows])
+        return self.engine(input_ids=ids, attention_mask=mask).logits[:, 0].float()  # [n, 1] -> [n]
+
+    @torch.no_grad()
+    def pair_scores(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`score_chosen`, `score_rejected`: `[N]` reward-model scores of each pair's sequences."""
+        self.engine.eval()
+        rows = np.arange(len(pairs["chosen_input_ids"]))
+        return {f"score_{side}": self._scores(pairs, rows, side).numpy() for side in COMPLETIONS}
+
     @torch.no_grad()
     def pair_logprobs(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`policy_chosen`, `policy_rejected`: `[N]` summed log-probs of each pair's completions
@@ -295,3 +329,17 @@ class Learner:
         tensors = {k: torch.from_numpy(v) for k, v in state.items()}
         self.model.save_pretrained(out_dir, state_dict=tensors, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(out_dir)
+
+
+def _load_model(spec: LearnerSpec):
+    """The model a learner trains, in float32 (DeepSpeed's bf16 mode casts it)."""
+    if spec.head == "lm":
+        return AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+    if spec.head == "score":
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # The score is read at the last token that is not padding, which the model finds by the pad id.
+        return AutoModelForSequenceClassification.from_pretrained(
+            spec.model_dir, num_labels=1, pad_token_id=pad, dtype=torch.float32
+        )
+    raise ValueError(f"unknown learner head {spec.head!r}; known: lm, score")

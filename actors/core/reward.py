@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipelines.data.preferences import reward_model_inputs
 from pipelines.data.rewards import RewardFn, load_reward, score
 
 
@@ -65,11 +66,9 @@ class ModelReward:
         self.torch = torch
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.tokenizer.padding_side = "right"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> list[float | None]:
-        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        enc = {k: self.torch.from_numpy(v) for k, v in reward_model_inputs(self.tokenizer, prompts, completions).items()}
         with self.torch.no_grad():
             logits = self.model(**enc).logits  # [N, labels]
         return logits[:, 0].float().tolist()

@@ -189,6 +189,12 @@ def value_loss(
     return loss, metrics
 
 
+def pair_mean(values: Tensor, normalizer: float | Tensor | None = None) -> Tensor:
+    """Mean over preference pairs, `[B]` -> scalar: `masked_aggregate` with each pair one unit
+    (`[B]` -> `[B, 1]`), dividing by `normalizer` pairs (None: B)."""
+    return masked_aggregate(values[:, None], torch.ones_like(values)[:, None], "token-mean", normalizer)
+
+
 @dataclass(frozen=True)
 class DPOSpec:
     """The loss of one DPO update (from `algo.dpo_*`)."""
@@ -231,10 +237,9 @@ def dpo_loss(
         per_pair = (delta - 1 / (2 * beta)).square()
     else:
         raise ValueError(f"unknown DPO loss kind {kind!r}; known: sigmoid, ipo")
-    pairs = torch.ones_like(delta)[:, None]  # each pair is one unit: [B] -> [B, 1]
 
     def mean(values: Tensor) -> Tensor:
-        return masked_aggregate(values[:, None], pairs, "token-mean", normalizer)
+        return pair_mean(values, normalizer)
 
     loss = mean(per_pair)
     nll = -policy_chosen / (chosen_tokens.clamp(min=1) if chosen_tokens is not None else 1.0)  # [B]
@@ -250,4 +255,21 @@ def dpo_loss(
             "rejected_reward": mean(rejected_reward).item(),
             "chosen_nll": mean(nll).item(),
         }
+    return loss, metrics
+
+
+def bradley_terry_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor, normalizer: float | Tensor | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """Reward-model loss on preference pairs (Bradley & Terry 1952; Ouyang et al. 2022, Eq. 1):
+    mean(-log sigmoid(r_chosen - r_rejected)). Inputs `[B]` scores; the mean divides by
+    `normalizer` pairs (None: B), as `dpo_loss`."""
+    margin = chosen_scores - rejected_scores  # [B]
+
+    def mean(values: Tensor) -> Tensor:
+        return pair_mean(values, normalizer)
+
+    loss = mean(-F.logsigmoid(margin))
+    with torch.no_grad():
+        metrics = {"accuracy": mean((margin > 0).to(margin.dtype)).item(), "margin": mean(margin).item()}
     return loss, metrics

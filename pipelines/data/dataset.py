@@ -462,15 +462,17 @@ def load_dataset_task(cfg: DatasetConfig, tokenizer, preferences: bool = False) 
     return DatasetTask(train.problems, heldout.problems, report)
 
 
-def load_task(cfg: RaypoConfig, model_dir: str | Path) -> Task:
+def load_task(cfg: RaypoConfig, model_dir: str | Path, preferences: bool | None = None) -> Task:
     """The task a run trains and evaluates on: the user's dataset (prompts rendered with the
-    tokenizer in `model_dir`) or the built-in task of `task.task`."""
+    tokenizer in `model_dir`) or the built-in task of `task.task`. A dataset's rows are
+    preference pairs when `preferences` says so (None: when the algorithm samples nothing, DPO)."""
     if cfg.task.dataset is None:
         return task_from_config(cfg.task.task)
     from transformers import AutoTokenizer  # heavy: only a dataset's prompts need the tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return load_dataset_task(cfg.task.dataset, tokenizer, preferences=not cfg.algo.generates)
+    pairs = not cfg.algo.generates if preferences is None else preferences
+    return load_dataset_task(cfg.task.dataset, tokenizer, preferences=pairs)
 
 
 def eval_max_tokens(cfg: RaypoConfig, problems: list[Problem]) -> int:

@@ -26,6 +26,20 @@ def count_correct(problems: Sequence[Problem], completions: Sequence[str]) -> in
     return int(sum(exact_match([p.prompt for p in problems], completions, answer=[p.answer for p in problems])))
 
 
+def pairwise_tau(better: Sequence[float], worse: Sequence[float]) -> float:
+    """Kendall's tau between scores and the true order, over pairs whose truth differs (item i of
+    `better` is truly better than item i of `worse`): (concordant - discordant) / pairs, a pair
+    concordant when the better item scores higher; a tie counts as neither.
+
+    >>> pairwise_tau([2.0, 1.0, 3.0, 0.5], [1.0, 1.0, 0.0, 0.7])
+    0.25
+    """
+    if len(better) != len(worse) or not len(better):
+        raise ValueError(f"pairwise_tau needs two equal, non-empty score lists, got {len(better)} and {len(worse)}")
+    signs = [int(b > w) - int(b < w) for b, w in zip(better, worse, strict=True)]
+    return sum(signs) / len(signs)
+
+
 Greedy = Callable[[list[str]], list[str]]  # prompts -> one greedy completion each
 Sampler = Callable[[list[str], int], list[list[str]]]  # prompts, k -> k sampled completions each
 TermScorer = Callable[[list[str], list[str], dict], dict]  # prompts, completions, fields -> {term: [...], "combined": [...]}

@@ -9,6 +9,7 @@ dataset gives them from its rows (`chosen` / `rejected` columns, see
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,9 +38,46 @@ def near_miss(answer: str) -> str:
         return answer[::-1] if answer[::-1] != answer else answer + answer[-1:]
 
 
-def pair_of(problem: Problem) -> PreferencePair:
+def corrupted(answer: str, rng: random.Random) -> str:
+    """A wrong answer drawn from many kinds of mistakes: off by 1, 10 or 100, a digit dropped,
+    doubled or two swapped, or another number as long (for text: reversed, a character dropped
+    or doubled). A reward model trained against these must check the answer, not its look.
+
+    >>> rng = random.Random(0)
+    >>> sorted({corrupted("85", rng) for _ in range(200)} & {"84", "95", "8", "58", "885"})
+    ['58', '8', '84', '885', '95']
+    """
+    digits = len(answer.lstrip("-"))
+
+    def off_by():  # 1, 10 or 100 too many or too few
+        return str(int(answer) + rng.choice([-1, 1]) * 10 ** rng.randrange(3))
+
+    def same_length():
+        return str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits))
+
+    def drop(i):
+        return answer[:i] + answer[i + 1 :]
+
+    def double(i):
+        return answer[:i] + answer[i] + answer[i:]
+
+    def swap(i):
+        return answer[:i] + answer[i + 1 : i + 2] + answer[i] + answer[i + 2 :]
+
+    edits = [lambda: rng.choice([drop, double, swap])(rng.randrange(len(answer)))]
+    kinds = [off_by, same_length, *edits * 3] if answer.lstrip("-").isdigit() else [*edits, lambda: answer[::-1]]
+    for _ in range(20):
+        wrong = rng.choice(kinds)()
+        if wrong and wrong != answer:
+            return wrong
+    return near_miss(answer)
+
+
+def pair_of(problem: Problem, rng: random.Random | None = None) -> PreferencePair:
     """The preference pair of a problem: a dataset row's own `chosen` / `rejected`, or for a
-    built-in task its answer over its slip (or a near miss when it has none).
+    built-in task its answer over its slip (or a near miss when it has none). With `rng` (reward
+    models), a built-in problem's rejected answer is its slip a third of the time and one of the
+    `corrupted` answers otherwise, so the mistakes vary.
 
     >>> pair_of(Problem("47+38=", "85", slip="75")), pair_of(Problem("12+7=", "19", slip="19")).rejected
     (PreferencePair(prompt='47+38=', chosen='85', rejected='75'), '20')
@@ -49,8 +87,10 @@ def pair_of(problem: Problem) -> PreferencePair:
         return PreferencePair(problem.prompt, fields["chosen"], fields["rejected"])
     if problem.answer is None:
         raise ValueError(f"problem {problem.prompt!r} has neither chosen/rejected completions nor an answer to build them from")
-    slip = problem.slip if problem.slip not in (None, problem.answer) else near_miss(problem.answer)
-    return PreferencePair(problem.prompt, problem.answer, slip)
+    has_slip = problem.slip not in (None, problem.answer)
+    if rng is not None and not (has_slip and rng.random() < 1 / 3):
+        return PreferencePair(problem.prompt, problem.answer, corrupted(problem.answer, rng))
+    return PreferencePair(problem.prompt, problem.answer, problem.slip if has_slip else near_miss(problem.answer))
 
 
 def encode_pairs(tokenizer, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
@@ -81,6 +121,26 @@ def _padded(rows: list[list[int]], pad: int, left: bool, name: str) -> dict[str,
     return {f"{name}_ids": ids, f"{name}_mask": mask}
 
 
+def reward_model_inputs(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> dict[str, np.ndarray]:
+    """What a reward model reads: `prompt + completion` as one text, with the tokenizer's special
+    tokens, right-padded: `input_ids`, `attention_mask` `[N, L]`. The same for training the RM
+    and for scoring with it (`actors.core.reward.ModelReward`), so it scores what it learned on."""
+    tokenizer.padding_side = "right"
+    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    enc = tokenizer(texts, padding=True, return_tensors="np")
+    return {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
+
+
+def encode_reward_pairs(tokenizer, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
+    """`chosen_input_ids` / `chosen_attention_mask` and the same for `rejected`: each pair's two
+    sequences as a reward model reads them (`reward_model_inputs`)."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        inputs = reward_model_inputs(tokenizer, [p.prompt for p in pairs], [getattr(p, side) for p in pairs])
+        out |= {f"{side}_{k}": v for k, v in inputs.items()}
+    return out
+
+
 @functools.cache
 def _tokenizer(model_dir: str):
     from transformers import AutoTokenizer  # heavy: only the process that encodes pairs loads it
@@ -91,3 +151,8 @@ def _tokenizer(model_dir: str):
 def encode_pairs_for(model_dir: str, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
     """`encode_pairs` with the tokenizer in `model_dir` (loaded once per process): a Ray task."""
     return encode_pairs(_tokenizer(model_dir), pairs)
+
+
+def encode_reward_pairs_for(model_dir: str, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
+    """`encode_reward_pairs` with the tokenizer in `model_dir`: a Ray task."""
+    return encode_reward_pairs(_tokenizer(model_dir), pairs)

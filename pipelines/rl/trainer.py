@@ -8,6 +8,7 @@ Face weights + optimizer and step state, for --resume) and final/ (the trained p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,20 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
     that this call starts and stops. Returns the run's summary; raises TrainingError."""
     model_dir = resolve_model_path(cfg)
     task = load_task(cfg, model_dir)  # a bad dataset stops the run here, before Ray and its actors start
+    with ray_session(cfg, address) as local_ray:
+        check_fit(lambda: check_fits(cfg, ray.cluster_resources()), local_ray=local_ray)
+        trainer = Trainer(cfg, model_dir, task, on_metrics)
+        try:
+            return trainer.run(resume=resume)
+        finally:
+            trainer.roles.shutdown()
+
+
+@contextlib.contextmanager
+def ray_session(cfg: RaypoConfig, address: str | None = None) -> Iterator[bool]:
+    """A run's Ray: the cluster at `address` (or RAY_ADDRESS), else a local Ray sized from this
+    machine, started here and stopped at the end. Yields whether it is local. A Ray failure
+    inside becomes a TrainingError naming its cause; SIGTERM ends the run through the same exits."""
     pin_cpus(cfg.resource.cpu_affinity)
     started_ray = False
     if not ray.is_initialized():
@@ -232,17 +247,12 @@ def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallb
             ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine by Ray
             started_ray = True
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    trainer = None
     try:
-        check_fit(lambda: check_fits(cfg, ray.cluster_resources()), local_ray=started_ray)
-        trainer = Trainer(cfg, model_dir, task, on_metrics)
-        return trainer.run(resume=resume)
+        yield started_ray
     except (rex.RayError, rex.RayTaskError) as err:
         raise TrainingError(_describe_failure(err)) from err
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if trainer is not None:
-            trainer.roles.shutdown()
         if started_ray:
             ray.shutdown()
 

@@ -1,0 +1,136 @@
+"""`raypo train-rm`: a Bradley-Terry reward model trained by the learner group on preference pairs.
+
+The RM is the policy's architecture with a one-logit sequence-classification head, started from
+the policy's weights (`model`), trained on the pairs of `task` (the built-in preference set, or a
+dataset's `{prompt, chosen, rejected}` rows) with L2 regularisation (`rm.l2_coef`, the seeds'
+1e-4), and checked on held-out pairs: pairwise accuracy and Kendall tau between its scores and
+the pairs' true order (the seeds' consistency target: tau > 0.7). Saved in Hugging Face format
+to <output_dir>/<name>/reward_model, where a `model:` reward term reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from tqdm import tqdm
+
+from actors.buffer import ExperienceBuffer
+from actors.common import ResourceFitError, check_fit, cpu_shortfall
+from actors.core.learner import LearnerSpec
+from actors.learner import LearnerGroup
+from pipelines.config import RaypoConfig
+from pipelines.data.dataset import load_task
+from pipelines.data.evaluate import pairwise_tau
+from pipelines.data.preferences import encode_reward_pairs_for, pair_of
+from pipelines.data.tasks import Problem
+from pipelines.models.resolve import resolve_model_path
+from pipelines.rl.monitor import Sinks
+from pipelines.rl.roles import ROLE_CPUS, learner_spec
+from pipelines.rl.trainer import ray_session
+
+
+def rm_cpu_plan(cfg: RaypoConfig) -> dict[str, float]:
+    res = cfg.resource
+    return {
+        "learners": res.num_learners * res.cpus_per_learner,
+        "buffer": ROLE_CPUS["buffer"],
+        "helper task": ROLE_CPUS["helper task"],
+    }
+
+
+def _check_fits(cfg: RaypoConfig) -> None:
+    if short := cpu_shortfall(rm_cpu_plan(cfg), ray.cluster_resources()):
+        raise ResourceFitError(f"reward-model training {short}; lower resource.num_learners or resource.cpus_per_learner")
+
+
+class RewardModelTrainer:
+    """The learner group with a score head, the buffer that serves its minibatches, and the task
+    that turns preference pairs into reward-model inputs."""
+
+    def __init__(self, cfg: RaypoConfig, model_dir: Path):
+        self.cfg, self.model_dir = cfg, str(model_dir)
+        self.out_dir = Path(cfg.output_dir) / cfg.name
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        res = cfg.resource
+        spec = LearnerSpec(**{**learner_spec(cfg, model_dir).__dict__, "head": "score", "l2_coef": cfg.rm.l2_coef})
+        self.learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
+        self.buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1)
+        self.encode = ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_reward_pairs_for)
+
+    def pairs_ref(self, problems: list[Problem], seed: int):
+        """Reward-model inputs of `problems`' pairs, the built-in tasks' rejected answers drawn
+        from many kinds of mistakes with `seed` (`pair_of`)."""
+        rng = random.Random(seed)
+        return self.encode.remote(self.model_dir, [pair_of(p, rng) for p in problems])
+
+    def evaluate(self, pairs_ref) -> dict:
+        """Held-out pairwise accuracy, Kendall tau and mean margin of the RM's scores."""
+        scores = self.learners.run("pair_scores", pairs_ref)[0]
+        chosen, rejected = scores["score_chosen"], scores["score_rejected"]
+        return {
+            "pairs": len(chosen),
+            "accuracy": float(np.mean(chosen > rejected)),
+            "kendall_tau": pairwise_tau(chosen, rejected),
+            "margin": float(np.mean(chosen - rejected)),
+        }
+
+    def step(self, step: int, problems: list[Problem]) -> dict:
+        training = self.cfg.training
+        stored = self.buffer.add.remote(step, self.pairs_ref(problems, self.cfg.seed * 100_003 + step), {})
+        minibatches = self.buffer.minibatches.remote(step, training.minibatch_size, self.cfg.seed + step, training.epochs, stored)
+        return self.learners.run("rm_step", minibatches)[0]  # identical on every rank
+
+    def save(self) -> Path:
+        path = self.out_dir / "reward_model"
+        self.learners.run("save_pretrained", str(path))
+        return path
+
+    def shutdown(self) -> None:
+        ray.kill(self.buffer)
+        self.learners.shutdown()
+
+
+def train_reward_model(cfg: RaypoConfig, address: str | None = None) -> dict:
+    """Train, evaluate and save the reward model of `cfg`; returns the summary (also written to
+    <output_dir>/<name>/summary.json)."""
+    model_dir = resolve_model_path(cfg)
+    task = load_task(cfg, model_dir, preferences=True)  # a bad dataset stops here, before Ray starts
+    started = time.monotonic()
+    with ray_session(cfg, address) as local_ray:
+        check_fit(lambda: _check_fits(cfg), local_ray=local_ray)
+        rm = RewardModelTrainer(cfg, model_dir)
+        try:
+            heldout = rm.pairs_ref(task.sample(cfg.task.eval_problems, "heldout", cfg.seed), seed=-1 - cfg.seed)
+            eval_start = rm.evaluate(heldout)
+            stream = task.stream("train", cfg.seed)
+            sinks = Sinks(rm.out_dir)
+            try:
+                for step in tqdm(range(cfg.training.steps), desc=f"reward model {cfg.name}", dynamic_ncols=True):
+                    sinks.write({"step": step, **rm.step(step, [next(stream) for _ in range(cfg.training.batch_size)])})
+            finally:
+                sinks.close()
+            eval_end = rm.evaluate(heldout)
+            path = rm.save()
+        finally:
+            rm.shutdown()
+    summary = {
+        "name": cfg.name,
+        "steps": cfg.training.steps,
+        "l2_coef": cfg.rm.l2_coef,
+        "eval_start": eval_start,
+        "eval_end": eval_end,
+        "reward_model": str(path),
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    (rm.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if eval_end["kendall_tau"] < cfg.rm.min_tau:
+        print(
+            f"warning: held-out Kendall tau {eval_end['kendall_tau']:.3f} is below rm.min_tau={cfg.rm.min_tau}", file=sys.stderr
+        )
+    return summary
