@@ -175,6 +175,14 @@ class RewardConfig(Strict):
     terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm()], min_length=1, description="rewards to combine")
     normalize: bool = Field(True, description="scale combined rewards from value_range to [-1, 1] (the seeds' advice)")
     value_range: tuple[float, float] = Field((0.0, 1.0), description="range of the combined reward before normalising")
+    refresh_every: int = Field(
+        0, ge=0, description="retrain the model: reward term every N policy updates on pairs from recent samples (0 = never)"
+    )
+    refresh_labels: str = Field(
+        "exact_match", description="the rule reward that labels recent samples for a refresh (it stands in for new human labels)"
+    )
+    refresh_steps: int = Field(50, ge=1, description="optimizer steps of each refresh (Adam, L2 at rm.l2_coef)")
+    refresh_lr: float = Field(1e-4, gt=0, description="learning rate of each refresh")
 
     @field_validator("value_range")
     @classmethod
@@ -182,6 +190,13 @@ class RewardConfig(Strict):
         if not value[0] < value[1]:
             raise ValueError(f"value_range must be [low, high] with low < high, got {list(value)}")
         return value
+
+    @model_validator(mode="after")
+    def _refresh_needs_a_model(self):
+        models = [t.fn for t in self.terms if t.fn.startswith("model:")]
+        if self.refresh_every and len(models) != 1:
+            raise ValueError(f"reward.refresh_every needs exactly one model: reward term to refresh, got {len(models)}")
+        return self
 
 
 # ----------------------------------------------------------------------------- algorithm

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.data.preferences import reward_model_inputs
+from pipelines.data.preferences import PreferencePair, encode_reward_pairs, reward_model_inputs
 from pipelines.data.rewards import RewardFn, load_reward, score
 
 
@@ -73,6 +73,50 @@ class ModelReward:
             logits = self.model(**enc).logits  # [N, labels]
         return logits[:, 0].float().tolist()
 
+    def tau(self, pairs: Sequence[PreferencePair]) -> float:
+        """Kendall tau between this model's scores and the pairs' order (`pairwise_tau`)."""
+        from pipelines.data.evaluate import pairwise_tau  # imports torch: only a model: term needs it
+
+        prompts = [p.prompt for p in pairs]
+        return pairwise_tau(self(prompts, [p.chosen for p in pairs]), self(prompts, [p.rejected for p in pairs]))
+
+    def fit(self, pairs: Sequence[PreferencePair], spec: RefreshSpec, seed: int) -> None:
+        """Train the model in place on `pairs` (Bradley-Terry, Adam with L2): `spec.steps`
+        minibatches of up to `spec.batch_size` pairs drawn with `seed`."""
+        from pipelines.algos.losses import bradley_terry_loss  # torch: only a model: term needs it
+
+        torch = self.torch
+        arrays = {k: torch.from_numpy(v) for k, v in encode_reward_pairs(self.tokenizer, pairs).items()}
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.lr, weight_decay=spec.l2_coef)
+        rng = np.random.default_rng(seed)
+        self.model.train()
+        for _ in range(spec.steps):
+            rows = torch.from_numpy(rng.choice(len(pairs), size=min(spec.batch_size, len(pairs)), replace=False))
+            chosen, rejected = (
+                self.model(input_ids=arrays[f"{side}_input_ids"][rows], attention_mask=arrays[f"{side}_attention_mask"][rows])
+                .logits[:, 0]
+                .float()
+                for side in ("chosen", "rejected")
+            )
+            loss, _ = bradley_terry_loss(chosen, rejected)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            optimizer.step()
+        self.model.eval()
+
+
+@dataclass(frozen=True)
+class RefreshSpec:
+    """How the reward actor refreshes its `model:` term during RL (`reward.refresh_*`)."""
+
+    labels: str = "exact_match"  # the rule reward that labels recent samples
+    window: int = 1  # steps of samples kept for the next refresh
+    steps: int = 50
+    lr: float = 1e-4
+    l2_coef: float = 1e-4
+    batch_size: int = 64
+
 
 def make_term(spec: str) -> RewardFn:
     if spec.startswith(("http://", "https://")):
@@ -103,6 +147,13 @@ class RewardScorer:
         """Each term's scores and, under `combined`, their raw weighted sum: for evaluation."""
         terms = self.score_terms(prompts, completions, **fields)
         return {**terms, "combined": self.combine(terms).tolist()}
+
+    def model_term(self) -> ModelReward:
+        """The one `model:` term (a reward model), for a refresh."""
+        models = [fn for _, _, fn in self.terms if isinstance(fn, ModelReward)]
+        if len(models) != 1:
+            raise RewardError(f"a reward-model refresh needs exactly one model: term, got {len(models)}")
+        return models[0]
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> np.ndarray:
         """One float32 reward per completion: the weighted sum of the terms that scored it,

@@ -93,6 +93,43 @@ def pair_of(problem: Problem, rng: random.Random | None = None) -> PreferencePai
     return PreferencePair(problem.prompt, problem.answer, problem.slip if has_slip else near_miss(problem.answer))
 
 
+def varied_pairs(problems: Sequence[Problem], seed: int) -> list[PreferencePair]:
+    """`pair_of` each problem with its rejected answer drawn from many kinds of mistakes (as a
+    reward model trains on them), seeded."""
+    rng = random.Random(seed)
+    return [pair_of(p, rng) for p in problems]
+
+
+def heldout_pairs(problems: Sequence[Problem], seed: int) -> list[PreferencePair]:
+    """The held-out pairs a reward model is checked on (`raypo train-rm`, and each refresh during
+    RL): `varied_pairs` with a seed of their own, apart from the training steps' seeds."""
+    return varied_pairs(problems, -1 - seed)
+
+
+def pairs_from_samples(
+    prompts: Sequence[str], completions: Sequence[str], labels: Sequence[float | None], groups: Sequence[int]
+) -> list[PreferencePair]:
+    """Preference pairs from sampled completions that a label ranks: within each group (one
+    prompt's samples), each completion with the top label is paired with one of the lowest, in
+    turn; groups whose labels are all equal (or missing) give none.
+
+    >>> pairs_from_samples(["a=", "a=", "a=", "b="], ["1", "2", "3", "9"], [1.0, 0.0, 0.0, 1.0], [0, 0, 0, 1])
+    [PreferencePair(prompt='a=', chosen='1', rejected='2')]
+    """
+    by_group: dict[int, list[int]] = {}
+    for i, group in enumerate(groups):
+        if labels[i] is not None:
+            by_group.setdefault(int(group), []).append(i)
+    pairs = []
+    for rows in by_group.values():
+        top, bottom = max(labels[i] for i in rows), min(labels[i] for i in rows)
+        if top == bottom:
+            continue
+        best, worst = [i for i in rows if labels[i] == top], [i for i in rows if labels[i] == bottom]
+        pairs += [PreferencePair(prompts[b], completions[b], completions[worst[k % len(worst)]]) for k, b in enumerate(best)]
+    return pairs
+
+
 def encode_pairs(tokenizer, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
     """Token arrays of `pairs`, one row per pair: `prompt_ids` / `prompt_mask` `[N, P]`
     (left-padded, with the tokenizer's special tokens, as the engines tokenize prompts) and

@@ -11,7 +11,6 @@ to <output_dir>/<name>/reward_model, where a `model:` reward term reads it.
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from actors.learner import LearnerGroup
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
 from pipelines.data.evaluate import pairwise_tau
-from pipelines.data.preferences import encode_reward_pairs_for, pair_of
+from pipelines.data.preferences import PreferencePair, encode_reward_pairs_for, heldout_pairs, varied_pairs
 from pipelines.data.tasks import Problem
 from pipelines.models.resolve import resolve_model_path
 from pipelines.rl.monitor import Sinks
@@ -63,11 +62,9 @@ class RewardModelTrainer:
         self.buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1)
         self.encode = ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_reward_pairs_for)
 
-    def pairs_ref(self, problems: list[Problem], seed: int):
-        """Reward-model inputs of `problems`' pairs, the built-in tasks' rejected answers drawn
-        from many kinds of mistakes with `seed` (`pair_of`)."""
-        rng = random.Random(seed)
-        return self.encode.remote(self.model_dir, [pair_of(p, rng) for p in problems])
+    def pairs_ref(self, pairs: list[PreferencePair]):
+        """A ref to the reward-model inputs of `pairs`, encoded by a Ray task."""
+        return self.encode.remote(self.model_dir, pairs)
 
     def evaluate(self, pairs_ref) -> dict:
         """Held-out pairwise accuracy, Kendall tau and mean margin of the RM's scores."""
@@ -82,7 +79,8 @@ class RewardModelTrainer:
 
     def step(self, step: int, problems: list[Problem]) -> dict:
         training = self.cfg.training
-        stored = self.buffer.add.remote(step, self.pairs_ref(problems, self.cfg.seed * 100_003 + step), {})
+        pairs = varied_pairs(problems, self.cfg.seed * 100_003 + step)
+        stored = self.buffer.add.remote(step, self.pairs_ref(pairs), {})
         minibatches = self.buffer.minibatches.remote(step, training.minibatch_size, self.cfg.seed + step, training.epochs, stored)
         return self.learners.run("rm_step", minibatches)[0]  # identical on every rank
 
@@ -106,7 +104,7 @@ def train_reward_model(cfg: RaypoConfig, address: str | None = None) -> dict:
         check_fit(lambda: _check_fits(cfg), local_ray=local_ray)
         rm = RewardModelTrainer(cfg, model_dir)
         try:
-            heldout = rm.pairs_ref(task.sample(cfg.task.eval_problems, "heldout", cfg.seed), seed=-1 - cfg.seed)
+            heldout = rm.pairs_ref(heldout_pairs(task.sample(cfg.task.eval_problems, "heldout", cfg.seed), cfg.seed))
             eval_start = rm.evaluate(heldout)
             stream = task.stream("train", cfg.seed)
             sinks = Sinks(rm.out_dir)

@@ -16,6 +16,7 @@ from ray.remote_function import RemoteFunction
 from actors.buffer import ExperienceBuffer
 from actors.common import ResourceFitError, cpu_shortfall
 from actors.core.learner import LearnerSpec
+from actors.core.reward import RefreshSpec
 from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
 from actors.reward import RewardActor
@@ -128,7 +129,11 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
         for i in range(res.num_rollout_workers)
     ]
     terms = [(t.fn, t.weight) for t in cfg.reward.terms]
-    reward = RewardActor.options(num_cpus=ROLE_CPUS["reward"]).remote(terms, cfg.reward.normalize, cfg.reward.value_range)
+    rw = cfg.reward
+    refresh = None
+    if rw.refresh_every:
+        refresh = RefreshSpec(rw.refresh_labels, rw.refresh_every, rw.refresh_steps, rw.refresh_lr, cfg.rm.l2_coef)
+    reward = RewardActor.options(num_cpus=ROLE_CPUS["reward"]).remote(terms, rw.normalize, rw.value_range, refresh)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
     buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)
     reference = None

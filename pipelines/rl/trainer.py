@@ -29,6 +29,7 @@ from actors.common import check_fit
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
 from pipelines.data.evaluate import write_rows
+from pipelines.data.preferences import heldout_pairs
 from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
@@ -78,6 +79,8 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
+        # where a refreshed reward model's Kendall tau is measured (the pairs raypo train-rm checks on)
+        self.rm_heldout = heldout_pairs(self.eval_problems, cfg.seed) if cfg.reward.refresh_every else []
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
 
     def evaluate(self, label: str) -> dict:
@@ -118,6 +121,8 @@ class Trainer:
             for step in range(start_step, cfg.training.steps):
                 problems = [next(stream) for _ in range(prompts_at(cfg, step))]
                 metrics = self._one_step(step, problems)
+                if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
+                    metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
                     metrics |= {f"eval/{k}": v for k, v in self.evaluate(f"step_{step + 1}").items()}
                 metrics["alerts"] = alerts.check(metrics)
