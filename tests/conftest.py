@@ -31,6 +31,20 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model):
+    """The embedded tiny model's tokenizer (character level, with a chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model[0])
+
+
+def write_jsonl(path, rows):
+    """`rows` as JSON Lines at `path` (a string row is written as it is: a malformed line)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
 def main_job(tiny_model, tmp_path_factory):
     """The README's main job, `raypo train` with no arguments, as a subprocess on a local Ray it
     starts itself: (run directory, summary printed, stdout). Run once; the Serve tests serve it."""

@@ -4,11 +4,9 @@ Prompts are rendered and counted with the embedded tiny model's real tokenizer."
 
 from __future__ import annotations
 
-import json
-
 import datasets
 import pytest
-from transformers import AutoTokenizer
+from conftest import write_jsonl
 
 from pipelines.config import DatasetConfig, load_config
 from pipelines.data.dataset import DatasetError, load_dataset_task
@@ -18,13 +16,8 @@ ROWS = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": a % 3} for a in r
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model[0])
-
-
-def _jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def _load(tokenizer, **options):
@@ -32,7 +25,7 @@ def _load(tokenizer, **options):
 
 
 def test_jsonl_rows_become_problems_whose_other_columns_reach_the_rewards(tmp_path, tokenizer):
-    task = _load(tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)), heldout_percent=25)
+    task = _load(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", ROWS)), heldout_percent=25)
     train, heldout = task.problems["train"], task.problems["heldout"]
     assert len(train) + len(heldout) == 40 and task.report["heldout_from"] == "25% of the prompts by hash"
     assert 4 <= len(heldout) <= 16  # a hashed quarter of 40
@@ -48,7 +41,7 @@ def test_jsonl_rows_become_problems_whose_other_columns_reach_the_rewards(tmp_pa
 
 
 def test_the_train_stream_is_seeded_and_visits_every_prompt_each_epoch(tmp_path, tokenizer):
-    task = _load(tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)), heldout_percent=25)
+    task = _load(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", ROWS)), heldout_percent=25)
     n = len(task.problems["train"])
     stream = task.stream("train", seed=3)
     epoch = [next(stream).prompt for _ in range(n)]
@@ -59,7 +52,7 @@ def test_the_train_stream_is_seeded_and_visits_every_prompt_each_epoch(tmp_path,
 
 def test_chat_messages_go_through_the_chat_template_once_with_one_bos(tmp_path, tokenizer):
     rows = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in ROWS]
-    task = _load(tokenizer, path=str(_jsonl(tmp_path / "chat.jsonl", rows)), prompt_key="messages")
+    task = _load(tokenizer, path=str(write_jsonl(tmp_path / "chat.jsonl", rows)), prompt_key="messages")
     problem = task.problems["train"][0]
     assert problem.prompt.endswith("=") and "<bos>" not in problem.prompt  # the tokenizer adds the BOS itself
     ids = tokenizer(problem.prompt)["input_ids"]
@@ -73,7 +66,7 @@ def test_chat_messages_go_through_the_chat_template_once_with_one_bos(tmp_path, 
     assert templated.problems["train"][0].prompt.startswith("[user] ")
     plain = _load(
         tokenizer,
-        path=str(_jsonl(tmp_path / "plain.jsonl", ROWS)),
+        path=str(write_jsonl(tmp_path / "plain.jsonl", ROWS)),
         apply_chat_template=True,
         chat_template="Q: {{ messages[0].content }}",
     )
@@ -81,15 +74,15 @@ def test_chat_messages_go_through_the_chat_template_once_with_one_bos(tmp_path, 
 
 
 def test_held_out_from_a_second_file_a_directorys_split_and_a_saved_dataset(tmp_path, tokenizer):
-    _jsonl(tmp_path / "train.jsonl", ROWS[:30])
-    _jsonl(tmp_path / "other.jsonl", ROWS[30:])
+    write_jsonl(tmp_path / "train.jsonl", ROWS[:30])
+    write_jsonl(tmp_path / "other.jsonl", ROWS[30:])
     task = _load(tokenizer, path=str(tmp_path / "train.jsonl"), heldout_path=str(tmp_path / "other.jsonl"))
     assert len(task.problems["train"]) == 30 and len(task.problems["heldout"]) == 10
 
     folder = tmp_path / "folder"
     folder.mkdir()
-    _jsonl(folder / "train.jsonl", ROWS[:25])
-    _jsonl(folder / "test.jsonl", ROWS[25:])
+    write_jsonl(folder / "train.jsonl", ROWS[:25])
+    write_jsonl(folder / "test.jsonl", ROWS[25:])
     task = _load(tokenizer, path=str(folder))
     assert (len(task.problems["train"]), len(task.problems["heldout"]), task.report["heldout_from"]) == (25, 15, "split 'test'")
 
@@ -123,7 +116,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("bad, message", BAD_ROWS, ids=[m.split()[0] + "-" + str(i) for i, (_, m) in enumerate(BAD_ROWS)])
 def test_a_malformed_row_is_named_with_its_file_and_line_before_anything_starts(tmp_path, tokenizer, bad, message):
-    path = _jsonl(tmp_path / "d.jsonl", [*ROWS[:5], bad, *ROWS[5:]])
+    path = write_jsonl(tmp_path / "d.jsonl", [*ROWS[:5], bad, *ROWS[5:]])
     with pytest.raises(DatasetError) as err:
         _load(tokenizer, path=str(path))
     assert f"{path}:6: " in str(err.value) and message in str(err.value), str(err.value)
@@ -138,7 +131,7 @@ def test_a_bad_csv_row_names_its_line_counting_the_header(tmp_path, tokenizer):
 
 
 def test_bad_rows_within_max_bad_fraction_are_skipped_and_counted(tmp_path, tokenizer, capsys):
-    path = _jsonl(tmp_path / "d.jsonl", [*ROWS, "{broken", '{"prompt": "x"}'])
+    path = write_jsonl(tmp_path / "d.jsonl", [*ROWS, "{broken", '{"prompt": "x"}'])
     task = _load(tokenizer, path=str(path), max_bad_fraction=0.1)
     assert task.report["malformed_skipped"] == 2
     assert len(task.problems["train"]) + len(task.problems["heldout"]) == 40
@@ -149,7 +142,7 @@ def test_bad_rows_within_max_bad_fraction_are_skipped_and_counted(tmp_path, toke
 
 def test_prompts_over_max_prompt_tokens_are_dropped_and_counted(tmp_path, tokenizer):
     rows = [*ROWS, {"prompt": "1+" * 60 + "1=", "answer": "61"}]
-    task = _load(tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", rows)), max_prompt_tokens=16)
+    task = _load(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", rows)), max_prompt_tokens=16)
     assert task.report["too_long_dropped"] == 1
     assert all(len(tokenizer(p.prompt)["input_ids"]) <= 16 for split in task.problems.values() for p in split)
 
@@ -159,7 +152,7 @@ def test_missing_sources_and_splits_are_named(tmp_path, tokenizer):
         _load(tokenizer, path=str(tmp_path / "nowhere.jsonl"))
     with pytest.raises(DatasetError, match="glob .* matches no file"):
         _load(tokenizer, path=str(tmp_path / "*.jsonl"))
-    _jsonl(tmp_path / "d.jsonl", ROWS)
+    write_jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(DatasetError, match="heldout_split 'dev': the dataset's splits are \\['train'\\]"):
         _load(tokenizer, path=str(tmp_path / "d.jsonl"), heldout_split="dev")
 

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
+from conftest import write_jsonl
 
 from pipelines.config import DatasetConfig
 from pipelines.data.dataset import DatasetError, load_dataset_task
@@ -18,17 +18,12 @@ from pipelines.data.tasks import Arithmetic, add_without_carry
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model[0])
-
-
-def _jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def _load(tokenizer, rows, tmp_path, **options):
-    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     return load_dataset_task(DatasetConfig(path=str(path), heldout_percent=25, **options), tokenizer, preferences=True)
 
 

@@ -369,20 +369,21 @@ class Renderer:
 
 def renderer(cfg: DatasetConfig, tokenizer) -> Renderer:
     """The `Renderer` of `cfg` with `tokenizer` (the model's)."""
-    if cfg.chat_template is not None:
-        tokenizer.chat_template = cfg.chat_template
+    template_text = cfg.chat_template or tokenizer.chat_template  # the tokenizer itself is left as it is
     # The engines tokenize prompts with the tokenizer's special tokens; a template that writes the
     # BOS token itself would give two of them, so it is dropped from the text when the tokenizer adds one.
     bos = tokenizer.bos_token
     drop_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
 
     def template(messages: list, generation_prompt: bool) -> str:
-        if tokenizer.chat_template is None:
+        if template_text is None:
             raise DatasetError(
                 "the model's tokenizer has no chat template; give one in task.dataset.chat_template, "
                 "or use plain string prompts with apply_chat_template: false"
             )
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template_text, tokenize=False, add_generation_prompt=generation_prompt
+        )
         return text.removeprefix(bos) if drop_bos else text
 
     def messages(prompt: Any, chat: bool) -> list | None:
