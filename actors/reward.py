@@ -3,7 +3,6 @@ reward model (a `model:` term) on recent samples when told to (`reward.refresh_e
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ import ray
 from actors.core.reward import RefreshSpec, RewardScorer
 from pipelines.data.preferences import PreferencePair, pairs_from_samples
 from pipelines.data.rewards import load_reward, score
+from pipelines.data.tasks import in_heldout
 
 
 @ray.remote(max_restarts=0)
@@ -43,22 +43,26 @@ class RewardActor:
 
     def refresh(self, heldout: list[PreferencePair]) -> dict[str, float]:
         """Retrain the `model:` term in place on the pairs of the recent steps (the next `score`
-        uses it). Returns its Kendall tau before and after on a held-out fifth of those recent
-        pairs (`rm_tau_recent_*`: the policy's current samples, not trained on) and on the fixed
-        `heldout` pairs (`rm_tau_heldout_*`), and how many pairs it trained on."""
+        uses it). Returns its Kendall tau before and after on the recent pairs of a fifth of their
+        prompts, chosen by hash and not trained on (`rm_tau_recent_*`: the policy's current
+        samples), and on the fixed `heldout` pairs (`rm_tau_heldout_*`); how far its scores of
+        those moved (`rm_heldout_score_shift`, mean absolute change); and how many pairs it trained on."""
         model, spec = self.scorer.model_term(), self.refresh_spec
         pairs = [p for step in self.recent for p in step]
-        random.Random(self.refreshes).shuffle(pairs)
-        recent_heldout, train = pairs[: len(pairs) // 5], pairs[len(pairs) // 5 :]
-        checks = {"recent": recent_heldout, "heldout": heldout}
+        # a salted hash: the training prompts are all outside the task's own held-out hash bucket
+        checked = [in_heldout(f"rm refresh check:{p.prompt}") for p in pairs]
+        checks = {"recent": [p for p, c in zip(pairs, checked, strict=True) if c], "heldout": heldout}
+        train = [p for p, c in zip(pairs, checked, strict=True) if not c]
+        scores_before = model(*_texts(heldout))
         before = {name: model.tau(ps) if ps else float("nan") for name, ps in checks.items()}
         if train:
-            model.fit(train, spec, seed=self.refreshes)
+            model.fit(train, spec, seed=spec.seed * 100_003 + self.refreshes)
         after = {name: model.tau(ps) if ps else float("nan") for name, ps in checks.items()}
+        shift = np.abs(np.array(model(*_texts(heldout))) - np.array(scores_before)).mean() if heldout else float("nan")
         self.refreshes += 1
         self.recent.clear()
         return (
-            {"rm_refresh_pairs": len(train)}
+            {"rm_refresh_pairs": len(train), "rm_heldout_score_shift": float(shift)}
             | {f"rm_tau_{name}_before": v for name, v in before.items()}
             | {f"rm_tau_{name}_after": v for name, v in after.items()}
         )
@@ -66,3 +70,8 @@ class RewardActor:
     def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], fields: dict[str, list]) -> dict:
         """Each term's scores and the combined raw reward (`combined`) per completion, for evaluation."""
         return self.scorer.scores_by_term(prompts, completions, **fields)
+
+
+def _texts(pairs: list[PreferencePair]) -> tuple[list[str], list[str]]:
+    """Prompts and chosen completions of `pairs`, to score."""
+    return [p.prompt for p in pairs], [p.chosen for p in pairs]

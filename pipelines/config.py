@@ -405,6 +405,12 @@ class RaypoConfig(Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
 
+    @model_validator(mode="after")
+    def _refresh_needs_samples(self):
+        if self.reward.refresh_every and not self.algo.generates:
+            raise ValueError(f"reward.refresh_every with algo.name={self.algo.name}: a refresh learns from sampled completions")
+        return self
+
     @property
     def pass_threshold(self) -> float:
         """The combined reward at which an evaluated sample counts as passed."""

@@ -229,3 +229,14 @@ def test_bradley_terry_hand_computed_and_sharded():
     first, _ = bradley_terry_loss(chosen[:1], rejected[:1], normalizer=3)
     rest, _ = bradley_terry_loss(chosen[1:], rejected[1:], normalizer=3)
     torch.testing.assert_close(first + rest, loss)
+
+
+def test_dpo_loss_on_shards_smaller_than_one_pair_adds_up():
+    """Two learners, one pair: each rank's normalizer is 1 / 2 pair; the ranks' losses (each
+    scaled by the world size, as DeepSpeed averages them) give the whole pair's loss."""
+    pc, pr, rc, rr = torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0])
+    whole, metrics = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    mine, shard_metrics = dpo_loss(pc, pr, rc, rr, beta=0.5, normalizer=0.5)
+    empty, _ = dpo_loss(pc[:0], pr[:0], rc[:0], rr[:0], beta=0.5, normalizer=0.5)
+    torch.testing.assert_close((mine + empty) / 2, whole)
+    assert shard_metrics["reward_accuracy"] / 2 == metrics["reward_accuracy"] == 1.0

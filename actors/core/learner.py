@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_tensors
+from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_scores, sequence_tensors
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
     POLICY_LOSSES,
@@ -32,6 +32,9 @@ from pipelines.algos.losses import (
     logprobs_from_logits,
     masked_aggregate,
 )
+from pipelines.data.preferences import pad_id
+
+EVAL_CHUNK = 64  # pairs per forward pass when a learner scores a whole evaluation set
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,8 @@ class Learner:
 
     def _update(self, total: torch.Tensor, local: dict[str, float]) -> dict[str, float]:
         """One optimizer step on this rank's share `total` of a minibatch's loss; `local` are the
-        rank's metrics, each its share of the minibatch's value (so their sum over ranks is it)."""
+        rank's metrics, each world_size x its share of the minibatch's value (so their mean over
+        ranks is it)."""
         if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
             # A non-finite loss would poison the weights: skip this update, report it.
             self.engine.zero_grad()
@@ -238,25 +242,31 @@ class Learner:
         return self._update(loss, {"loss": loss.item(), **metrics})
 
     def _scores(self, pairs: Mapping[str, np.ndarray], rows: np.ndarray, side: str) -> torch.Tensor:
-        """The reward model's score `[n]` of one side of `rows` (its logit at the last real token)."""
-        ids = torch.from_numpy(pairs[f"{side}_input_ids"][rows])
-        mask = torch.from_numpy(pairs[f"{side}_attention_mask"][rows])
-        return self.engine(input_ids=ids, attention_mask=mask).logits[:, 0].float()  # [n, 1] -> [n]
+        """The reward model's score `[n]` of one side of `rows`."""
+        ids, mask = (torch.from_numpy(pairs[f"{side}_{key}"][rows]) for key in ("input_ids", "attention_mask"))
+        return sequence_scores(self.engine, ids, mask)
 
     @torch.no_grad()
     def pair_scores(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`score_chosen`, `score_rejected`: `[N]` reward-model scores of each pair's sequences."""
         self.engine.eval()
-        rows = np.arange(len(pairs["chosen_input_ids"]))
-        return {f"score_{side}": self._scores(pairs, rows, side).numpy() for side in COMPLETIONS}
+        return self._in_chunks(len(pairs["chosen_input_ids"]), "score", lambda rows, side: self._scores(pairs, rows, side))
 
     @torch.no_grad()
     def pair_logprobs(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`policy_chosen`, `policy_rejected`: `[N]` summed log-probs of each pair's completions
         under the current weights (all pairs)."""
         self.engine.eval()
-        rows = np.arange(len(pairs["prompt_ids"]))
-        return {f"policy_{side}": completion_logprobs(self.engine, pairs, rows, side).numpy() for side in COMPLETIONS}
+        return self._in_chunks(
+            len(pairs["prompt_ids"]), "policy", lambda rows, side: completion_logprobs(self.engine, pairs, rows, side)
+        )
+
+    @staticmethod
+    def _in_chunks(n: int, prefix: str, per_side, chunk: int = EVAL_CHUNK) -> dict[str, np.ndarray]:
+        """`per_side(rows, side) -> [len(rows)]` over all `n` pairs, `chunk` rows at a time (an
+        evaluation set at once would hold `[N, L, V]` logits), as `<prefix>_<side>` arrays."""
+        chunks = [np.arange(start, min(n, start + chunk)) for start in range(0, n, chunk)]
+        return {f"{prefix}_{side}": torch.cat([per_side(rows, side) for rows in chunks]).numpy() for side in COMPLETIONS}
 
     def _set_lr(self) -> None:
         scale = min(1.0, (self.optimizer_steps + 1) / self.spec.warmup_steps) if self.spec.warmup_steps else 1.0
@@ -336,9 +346,8 @@ def _load_model(spec: LearnerSpec):
     if spec.head == "lm":
         return AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
     if spec.head == "score":
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # The score is read at the last token that is not padding, which the model finds by the pad id.
+        pad = pad_id(AutoTokenizer.from_pretrained(spec.model_dir))
         return AutoModelForSequenceClassification.from_pretrained(
             spec.model_dir, num_labels=1, pad_token_id=pad, dtype=torch.float32
         )

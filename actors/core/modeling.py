@@ -71,3 +71,9 @@ def completion_logprobs(model, pairs: Mapping[str, np.ndarray], rows: np.ndarray
     logits = response_logits(model, inputs, 1.0)  # [n, T, V]
     logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]  # [n, T]
     return logp.sum(dim=-1)  # [n, T] -> [n]
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A reward model's score of each sequence `[n, L]` -> `[n]`: its one logit, which a
+    sequence-classification model reads at the last token that is not padding."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()

@@ -68,10 +68,11 @@ class ModelReward:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> list[float | None]:
+        from actors.core.modeling import sequence_scores  # imports torch: only a model: term needs it
+
         enc = {k: self.torch.from_numpy(v) for k, v in reward_model_inputs(self.tokenizer, prompts, completions).items()}
         with self.torch.no_grad():
-            logits = self.model(**enc).logits  # [N, labels]
-        return logits[:, 0].float().tolist()
+            return sequence_scores(self.model, enc["input_ids"], enc["attention_mask"]).tolist()
 
     def tau(self, pairs: Sequence[PreferencePair]) -> float:
         """Kendall tau between this model's scores and the pairs' order (`pairwise_tau`)."""
@@ -83,7 +84,8 @@ class ModelReward:
     def fit(self, pairs: Sequence[PreferencePair], spec: RefreshSpec, seed: int) -> None:
         """Train the model in place on `pairs` (Bradley-Terry, Adam with L2): `spec.steps`
         minibatches of up to `spec.batch_size` pairs drawn with `seed`."""
-        from pipelines.algos.losses import bradley_terry_loss  # torch: only a model: term needs it
+        from actors.core.modeling import COMPLETIONS, sequence_scores  # torch: only a model: term needs it
+        from pipelines.algos.losses import bradley_terry_loss
 
         torch = self.torch
         arrays = {k: torch.from_numpy(v) for k, v in encode_reward_pairs(self.tokenizer, pairs).items()}
@@ -93,15 +95,13 @@ class ModelReward:
         for _ in range(spec.steps):
             rows = torch.from_numpy(rng.choice(len(pairs), size=min(spec.batch_size, len(pairs)), replace=False))
             chosen, rejected = (
-                self.model(input_ids=arrays[f"{side}_input_ids"][rows], attention_mask=arrays[f"{side}_attention_mask"][rows])
-                .logits[:, 0]
-                .float()
-                for side in ("chosen", "rejected")
+                sequence_scores(self.model, arrays[f"{side}_input_ids"][rows], arrays[f"{side}_attention_mask"][rows])
+                for side in COMPLETIONS
             )
             loss, _ = bradley_terry_loss(chosen, rejected)
             optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.grad_clip)
             optimizer.step()
         self.model.eval()
 
@@ -115,7 +115,9 @@ class RefreshSpec:
     steps: int = 50
     lr: float = 1e-4
     l2_coef: float = 1e-4
+    grad_clip: float = 1.0
     batch_size: int = 64
+    seed: int = 0
 
 
 def make_term(spec: str) -> RewardFn:

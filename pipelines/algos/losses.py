@@ -66,7 +66,9 @@ def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float 
     else:
         raise ValueError(f"unknown aggregate mode {mode!r}; known: {AGGREGATE_MODES}")
     count = torch.as_tensor(count, dtype=values.dtype, device=values.device)
-    return total / count.clamp(min=1)
+    # An empty batch (count 0) divides by 1; any other count is used as it is: a shard's share of
+    # the batch-wide normalizer may be under 1 (fewer pairs than learners).
+    return total / torch.where(count > 0, count, torch.ones_like(count))
 
 
 def logprobs_from_logits(logits: Tensor, token_ids: Tensor) -> Tensor:

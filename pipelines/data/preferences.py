@@ -102,7 +102,7 @@ def varied_pairs(problems: Sequence[Problem], seed: int) -> list[PreferencePair]
 
 def heldout_pairs(problems: Sequence[Problem], seed: int) -> list[PreferencePair]:
     """The held-out pairs a reward model is checked on (`raypo train-rm`, and each refresh during
-    RL): `varied_pairs` with a seed of their own, apart from the training steps' seeds."""
+    RL): `varied_pairs` of held-out problems (never trained on) drawn with seed -1 - seed."""
     return varied_pairs(problems, -1 - seed)
 
 
@@ -135,7 +135,7 @@ def encode_pairs(tokenizer, pairs: Sequence[PreferencePair]) -> dict[str, np.nda
     (left-padded, with the tokenizer's special tokens, as the engines tokenize prompts) and
     `chosen_ids` / `chosen_mask`, `rejected_ids` / `rejected_mask` `[N, T]` (right-padded; the
     completion ends with EOS, added unless its text already holds it, as a chat turn does)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+    eos, pad = tokenizer.eos_token_id, pad_id(tokenizer)
 
     def completion(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -158,22 +158,38 @@ def _padded(rows: list[list[int]], pad: int, left: bool, name: str) -> dict[str,
     return {f"{name}_ids": ids, f"{name}_mask": mask}
 
 
+def pad_id(tokenizer) -> int:
+    """The id padding uses: the tokenizer's pad token, else its EOS (many Llama-family tokenizers
+    have no pad token), else 0. A reward model finds its last real token by this id."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0
+
+
 def reward_model_inputs(tokenizer, prompts: Sequence[str], completions: Sequence[str]) -> dict[str, np.ndarray]:
     """What a reward model reads: `prompt + completion` as one text, with the tokenizer's special
-    tokens, right-padded: `input_ids`, `attention_mask` `[N, L]`. The same for training the RM
-    and for scoring with it (`actors.core.reward.ModelReward`), so it scores what it learned on."""
-    tokenizer.padding_side = "right"
-    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-    enc = tokenizer(texts, padding=True, return_tensors="np")
-    return {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
+    tokens, right-padded with `pad_id`: `input_ids`, `attention_mask` `[N, L]`. The same for
+    training the RM and for scoring with it (`actors.core.reward.ModelReward`)."""
+    rows = [tokenizer(p + c)["input_ids"] for p, c in zip(prompts, completions, strict=True)]
+    out = _padded(rows, pad_id(tokenizer), left=False, name="input")
+    return {"input_ids": out["input_ids"], "attention_mask": out["input_mask"]}
 
 
 def encode_reward_pairs(tokenizer, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
     """`chosen_input_ids` / `chosen_attention_mask` and the same for `rejected`: each pair's two
-    sequences as a reward model reads them (`reward_model_inputs`)."""
+    sequences as a reward model reads them (`reward_model_inputs`). A completion rendered by a
+    chat template ends with the end-of-turn text, which sampled completions (the engines' text,
+    special tokens skipped) lack: it is cut here, so the RM learns on what it will score."""
+    eos = tokenizer.eos_token
+
+    def as_sampled(text: str) -> str:
+        return text.split(eos)[0] if eos and eos in text else text
+
     out = {}
     for side in ("chosen", "rejected"):
-        inputs = reward_model_inputs(tokenizer, [p.prompt for p in pairs], [getattr(p, side) for p in pairs])
+        completions = [as_sampled(getattr(p, side)) for p in pairs]
+        inputs = reward_model_inputs(tokenizer, [p.prompt for p in pairs], completions)
         out |= {f"{side}_{k}": v for k, v in inputs.items()}
     return out
 

@@ -10,6 +10,7 @@ to <output_dir>/<name>/reward_model, where a `model:` reward term reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -21,7 +22,6 @@ from tqdm import tqdm
 
 from actors.buffer import ExperienceBuffer
 from actors.common import ResourceFitError, check_fit, cpu_shortfall
-from actors.core.learner import LearnerSpec
 from actors.learner import LearnerGroup
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
@@ -57,9 +57,13 @@ class RewardModelTrainer:
         self.out_dir = Path(cfg.output_dir) / cfg.name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         res = cfg.resource
-        spec = LearnerSpec(**{**learner_spec(cfg, model_dir).__dict__, "head": "score", "l2_coef": cfg.rm.l2_coef})
-        self.learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
+        spec = dataclasses.replace(learner_spec(cfg, model_dir), head="score", l2_coef=cfg.rm.l2_coef)
         self.buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1)
+        try:
+            self.learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
+        except BaseException:
+            ray.kill(self.buffer)  # on a joined cluster nothing else would end it
+            raise
         self.encode = ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_reward_pairs_for)
 
     def pairs_ref(self, pairs: list[PreferencePair]):

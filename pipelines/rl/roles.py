@@ -132,7 +132,16 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     rw = cfg.reward
     refresh = None
     if rw.refresh_every:
-        refresh = RefreshSpec(rw.refresh_labels, rw.refresh_every, rw.refresh_steps, rw.refresh_lr, cfg.rm.l2_coef)
+        refresh = RefreshSpec(
+            labels=rw.refresh_labels,
+            window=rw.refresh_every,
+            steps=rw.refresh_steps,
+            lr=rw.refresh_lr,
+            l2_coef=cfg.rm.l2_coef,
+            grad_clip=cfg.training.grad_clip,
+            batch_size=cfg.training.minibatch_size,
+            seed=cfg.seed,
+        )
     reward = RewardActor.options(num_cpus=ROLE_CPUS["reward"]).remote(terms, rw.normalize, rw.value_range, refresh)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
     buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)

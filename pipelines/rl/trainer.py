@@ -95,15 +95,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False) -> dict:
         cfg, started = self.cfg, time.monotonic()
-        state: dict = {}
-        start_step = 0
-        if resume:
-            ckpt = latest_checkpoint(self.ckpt_root)
-            if ckpt is None:
-                raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
-            state = load_checkpoint(self.roles, ckpt)
-            start_step = state["step"]
-            print(f"resumed from {ckpt} at step {start_step}")
+        state = self._resume() if resume else {}
+        start_step = state.get("step", 0)
         if "eval_start" not in state:
             state["eval_start"] = self.evaluate("start")
         stream = self.task.stream("train", cfg.seed)
@@ -162,6 +155,17 @@ class Trainer:
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _resume(self) -> dict:
+        """The trainer's state at the latest checkpoint, whose weights the roles now hold."""
+        if self.cfg.reward.refresh_every:
+            raise TrainingError("--resume with reward.refresh_every: checkpoints do not hold the refreshed reward model yet")
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if ckpt is None:
+            raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
+        state = load_checkpoint(self.roles, ckpt)
+        print(f"resumed from {ckpt} at step {state['step']}")
+        return state
 
     def _one_step(self, step: int, problems: list[Problem]) -> dict:
         started = time.monotonic()
