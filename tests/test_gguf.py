@@ -54,3 +54,29 @@ def test_import_errors_name_the_file(tmp_path, smollm2):
     out, _ = smollm2
     run = subprocess.run([*RAYPO, "import-gguf", str(not_gguf), str(out)], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 1 and "already holds a model" in run.stderr
+
+
+def test_the_smollm2_example_loads_whole_and_its_rewards_score_the_answers(smollm2):
+    """examples/smollm2 as README runs it: every prompt fits `max_prompt_tokens` under the model's
+    chat template (none dropped, none malformed), and a bare right answer passes both terms."""
+    from actors.core.reward import RewardScorer
+    from pipelines.config import load_config
+    from pipelines.data.dataset import load_task
+    from pipelines.data.tasks import reward_fields
+
+    out, _ = smollm2
+    cfg = load_config(ROOT / "examples" / "smollm2" / "grpo.yaml", [f"model.path={out}"])
+    task = load_task(cfg, out)
+    assert task.report == {
+        "train": 400,
+        "heldout": 50,
+        "heldout_from": "heldout_path 'examples/smollm2/heldout.jsonl'",
+        "malformed_skipped": 0,
+        "too_long_dropped": 0,
+    }
+    problems = task.sample(3, "heldout")
+    assert problems[0].prompt.endswith("<|im_start|>assistant\n") and "3 + 4" in problems[0].prompt
+    scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], normalize=False)
+    completions = [problems[0].answer, f"12 + 7 = {problems[1].answer}", "I do not know"]
+    combined = scorer.scores_by_term([p.prompt for p in problems], completions, **reward_fields(problems))["combined"]
+    assert combined == [cfg.reward.value_range[1], 1.0, 0.0]
