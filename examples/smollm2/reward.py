@@ -4,6 +4,7 @@ raypo (and TRL) call them. `answer` is the dataset's answer column, one per comp
 import re
 
 NUMBER = re.compile(r"-?\d+")
+ONE_LINE_ENDING_IN_A_NUMBER = re.compile(r"[^\n]*?-?\d+\.?")
 
 
 def correct(prompts, completions, answer, **_):
@@ -16,10 +17,12 @@ def correct(prompts, completions, answer, **_):
     return [float(bool(nums) and nums[-1] == a) for nums, a in zip(found, answer, strict=True)]
 
 
-def number_only(prompts, completions, **_):
-    """1.0 when the completion is just a number, as the prompt asks.
+def answer_last(prompts, completions, **_):
+    """1.0 when the answer is one line that ends with a number: "12 + 7 = 19" or "19", with no
+    explanation after it. The prompt asks for the number only; this term asks less, so the model
+    keeps writing the sum out, which it needs to get it right (a bare number cost correctness).
 
-    >>> number_only(["q", "q"], [" 19", "12 + 7 = 19"])
-    [1.0, 0.0]
+    >>> answer_last(["q"] * 4, [" 19", "12 + 7 = 19.", "12 + 7 = 19\\n\\nThis is a classic example", "Nineteen"])
+    [1.0, 1.0, 0.0, 0.0]
     """
-    return [float(re.fullmatch(r"\s*-?\d+\.?\s*", c) is not None) for c in completions]
+    return [float(ONE_LINE_ENDING_IN_A_NUMBER.fullmatch(c.strip()) is not None) for c in completions]
