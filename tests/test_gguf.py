@@ -58,7 +58,7 @@ def test_import_errors_name_the_file(tmp_path, smollm2):
 
 def test_the_smollm2_example_loads_whole_and_its_rewards_score_the_answers(smollm2):
     """examples/smollm2 as README runs it: every prompt fits `max_prompt_tokens` under the model's
-    chat template (none dropped, none malformed), and a bare right answer passes both terms."""
+    chat template (none dropped, none malformed), and its two reward terms score answers apart."""
     from actors.core.reward import RewardScorer
     from pipelines.config import load_config
     from pipelines.data.dataset import load_task
@@ -77,6 +77,6 @@ def test_the_smollm2_example_loads_whole_and_its_rewards_score_the_answers(smoll
     problems = task.sample(3, "heldout")
     assert problems[0].prompt.endswith("<|im_start|>assistant\n")
     scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], normalize=False)
-    completions = [problems[0].answer, f"12 + 7 = {problems[1].answer}", "I do not know"]
+    completions = [problems[0].answer, f"{problems[1].answer}\n\nThat is the sum.", "I do not know"]
     combined = scorer.scores_by_term([p.prompt for p in problems], completions, **reward_fields(problems))["combined"]
     assert combined == [cfg.reward.value_range[1], 1.0, 0.0]
