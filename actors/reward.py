@@ -53,18 +53,17 @@ class RewardActor:
         checked = [in_heldout(f"rm refresh check:{p.prompt}") for p in pairs]
         checks = {"recent": [p for p, c in zip(pairs, checked, strict=True) if c], "heldout": heldout}
         train = [p for p, c in zip(pairs, checked, strict=True) if not c]
-        scores_before = model(*_texts(heldout))
-        before = {name: model.tau(ps) if ps else float("nan") for name, ps in checks.items()}
+        before = {name: _check(model, ps) for name, ps in checks.items()}
         if train:
             model.fit(train, spec, seed=spec.seed * 100_003 + self.refreshes)
-        after = {name: model.tau(ps) if ps else float("nan") for name, ps in checks.items()}
-        shift = np.abs(np.array(model(*_texts(heldout))) - np.array(scores_before)).mean() if heldout else float("nan")
+        after = {name: _check(model, ps) for name, ps in checks.items()}
+        shift = np.abs(after["heldout"][1] - before["heldout"][1]).mean() if heldout else float("nan")
         self.refreshes += 1
         self.recent.clear()
         return (
             {"rm_refresh_pairs": len(train), "rm_heldout_score_shift": float(shift)}
-            | {f"rm_tau_{name}_before": v for name, v in before.items()}
-            | {f"rm_tau_{name}_after": v for name, v in after.items()}
+            | {f"rm_tau_{name}_before": tau for name, (tau, _) in before.items()}
+            | {f"rm_tau_{name}_after": tau for name, (tau, _) in after.items()}
         )
 
     def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], fields: dict[str, list]) -> dict:
@@ -72,6 +71,12 @@ class RewardActor:
         return self.scorer.scores_by_term(prompts, completions, **fields)
 
 
-def _texts(pairs: list[PreferencePair]) -> tuple[list[str], list[str]]:
-    """Prompts and chosen completions of `pairs`, to score."""
-    return [p.prompt for p in pairs], [p.chosen for p in pairs]
+def _check(model, pairs: list[PreferencePair]) -> tuple[float, np.ndarray]:
+    """A reward model's Kendall tau on `pairs` (nan when there are none) and its scores of their
+    chosen completions: each pair is scored once."""
+    if not pairs:
+        return float("nan"), np.array([])
+    from pipelines.data.evaluate import pairwise_tau  # imports torch: only a refresh needs it
+
+    chosen, rejected = model.pair_scores(pairs)
+    return pairwise_tau(chosen, rejected), np.array(chosen)

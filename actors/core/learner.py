@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_scores, sequence_tensors
+from actors.core.modeling import COMPLETIONS, completion_logprobs, completion_scores, response_logits, sequence_tensors
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
     POLICY_LOSSES,
@@ -236,21 +236,18 @@ class Learner:
     def _rm_minibatch_step(self, pairs: Mapping[str, np.ndarray]) -> dict[str, float]:
         n = len(pairs["chosen_input_ids"])
         mine = self._my_rows(np.arange(n))
-        chosen, rejected = (self._scores(pairs, mine, side) for side in COMPLETIONS)  # [m] each
+        chosen, rejected = (completion_scores(self.engine, pairs, mine, side) for side in COMPLETIONS)  # [m] each
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
         loss, metrics = bradley_terry_loss(chosen, rejected, normalizer=n / self.world_size)
         return self._update(loss, {"loss": loss.item(), **metrics})
-
-    def _scores(self, pairs: Mapping[str, np.ndarray], rows: np.ndarray, side: str) -> torch.Tensor:
-        """The reward model's score `[n]` of one side of `rows`."""
-        ids, mask = (torch.from_numpy(pairs[f"{side}_{key}"][rows]) for key in ("input_ids", "attention_mask"))
-        return sequence_scores(self.engine, ids, mask)
 
     @torch.no_grad()
     def pair_scores(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`score_chosen`, `score_rejected`: `[N]` reward-model scores of each pair's sequences."""
         self.engine.eval()
-        return self._in_chunks(len(pairs["chosen_input_ids"]), "score", lambda rows, side: self._scores(pairs, rows, side))
+        return self._in_chunks(
+            len(pairs["chosen_input_ids"]), "score", lambda rows, side: completion_scores(self.engine, pairs, rows, side)
+        )
 
     @torch.no_grad()
     def pair_logprobs(self, pairs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -77,3 +77,10 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """A reward model's score of each sequence `[n, L]` -> `[n]`: its one logit, which a
     sequence-classification model reads at the last token that is not padding."""
     return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+
+
+def completion_scores(model, pairs: Mapping[str, np.ndarray], rows: np.ndarray, side: str) -> torch.Tensor:
+    """A reward model's score `[n]` of the `side` sequence of each pair in `rows`
+    (`pipelines.data.preferences.encode_reward_pairs` arrays)."""
+    ids, mask = (torch.from_numpy(pairs[f"{side}_{key}"][rows]) for key in ("input_ids", "attention_mask"))
+    return sequence_scores(model, ids, mask)

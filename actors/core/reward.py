@@ -74,30 +74,25 @@ class ModelReward:
         with self.torch.no_grad():
             return sequence_scores(self.model, enc["input_ids"], enc["attention_mask"]).tolist()
 
-    def tau(self, pairs: Sequence[PreferencePair]) -> float:
-        """Kendall tau between this model's scores and the pairs' order (`pairwise_tau`)."""
-        from pipelines.data.evaluate import pairwise_tau  # imports torch: only a model: term needs it
-
+    def pair_scores(self, pairs: Sequence[PreferencePair]) -> tuple[list[float], list[float]]:
+        """This model's scores of the chosen and of the rejected completion of each pair."""
         prompts = [p.prompt for p in pairs]
-        return pairwise_tau(self(prompts, [p.chosen for p in pairs]), self(prompts, [p.rejected for p in pairs]))
+        return self(prompts, [p.chosen for p in pairs]), self(prompts, [p.rejected for p in pairs])
 
     def fit(self, pairs: Sequence[PreferencePair], spec: RefreshSpec, seed: int) -> None:
         """Train the model in place on `pairs` (Bradley-Terry, Adam with L2): `spec.steps`
         minibatches of up to `spec.batch_size` pairs drawn with `seed`."""
-        from actors.core.modeling import COMPLETIONS, sequence_scores  # torch: only a model: term needs it
+        from actors.core.modeling import COMPLETIONS, completion_scores  # torch: only a model: term needs it
         from pipelines.algos.losses import bradley_terry_loss
 
         torch = self.torch
-        arrays = {k: torch.from_numpy(v) for k, v in encode_reward_pairs(self.tokenizer, pairs).items()}
+        arrays = encode_reward_pairs(self.tokenizer, pairs)
         optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.lr, weight_decay=spec.l2_coef)
         rng = np.random.default_rng(seed)
         self.model.train()
         for _ in range(spec.steps):
-            rows = torch.from_numpy(rng.choice(len(pairs), size=min(spec.batch_size, len(pairs)), replace=False))
-            chosen, rejected = (
-                sequence_scores(self.model, arrays[f"{side}_input_ids"][rows], arrays[f"{side}_attention_mask"][rows])
-                for side in COMPLETIONS
-            )
+            rows = rng.choice(len(pairs), size=min(spec.batch_size, len(pairs)), replace=False)
+            chosen, rejected = (completion_scores(self.model, arrays, rows, side) for side in COMPLETIONS)
             loss, _ = bradley_terry_loss(chosen, rejected)
             optimizer.zero_grad()
             loss.backward()
