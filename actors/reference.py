@@ -12,9 +12,9 @@ from actors.core.reference import ReferenceScorer
 
 @ray.remote(max_restarts=0)
 class ReferenceActor:
-    def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 2):
+    def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 2, dtype: str = "float32"):
         limit_threads(threads)
-        self.scorer = ReferenceScorer(model_dir, temperature=temperature)
+        self.scorer = ReferenceScorer(model_dir, temperature=temperature, dtype=dtype)
 
     def logprobs(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """`[N, T]` reference log-probs of the batch's response tokens."""

@@ -9,6 +9,7 @@ import ray
 
 from actors.common import limit_threads
 from actors.core.generator import Generator
+from pipelines.algos.sampling import SamplingSpec
 
 
 @ray.remote(max_restarts=0)
@@ -19,10 +20,11 @@ class RolloutActor:
         self.generator = Generator(model_dir, **engine)
 
     def generate(
-        self, prompts: Sequence[str], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None = None
+        self, prompts: Sequence[str], n: int, sampling: SamplingSpec, max_tokens: int, seeds: Sequence[int] | None = None
     ) -> dict[str, np.ndarray]:
-        """`n` samples per prompt: token ids, text and behaviour log-probs (see `Generator.generate`)."""
-        return self.generator.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        """`n` samples per prompt, prompt i seeded with `seeds[i]`: token ids, text and behaviour
+        log-probs (see `Generator.generate`)."""
+        return self.generator.generate(prompts, n=n, sampling=sampling, max_tokens=max_tokens, seeds=seeds)
 
     def greedy(self, prompts: Sequence[str], max_tokens: int) -> list[str]:
         return self.generator.greedy(prompts, max_tokens)

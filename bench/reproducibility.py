@@ -3,6 +3,7 @@ CPU kernel sets, with warm-start and final held-out accuracy per cell and their 
 
     .venv/bin/python bench/reproducibility.py [--seeds 0 1 2] [--capabilities avx2 avx512]
                                               [--build-only default] [--ppo-seed 0] [--algos grpo]
+                                              [--variants inference.top_p=0.9 ...]
 
 Each cell runs `raypo train` as a user does (a subprocess, its own local Ray sized from this
 machine) in a fresh RAYPO_CACHE, so its time includes the tiny model's build, under
@@ -12,7 +13,9 @@ would die of an illegal instruction). `--build-only` capabilities build the mode
 kernel set (`raypo make-tiny`) and train under the native one: `default` breaks
 torch.compile inside vLLM, but the build has no vLLM. `--algos` are the presets each cell runs
 (`configs/<algo>_tiny.yaml`; the first one's time includes the build, the others train on its
-model); PPO runs for one seed per capability on the cell's model (`--ppo-seed -1`: none). DPO
+model); PPO runs for one seed per capability on the cell's model (`--ppo-seed -1`: none);
+each `--variants` entry (`KEY=VALUE[,KEY=VALUE...]`) runs the first preset again with those
+overrides on the cell's model, so a setting is compared with the preset seed by seed. DPO
 rows also give the held-out preference accuracy. Prints one row per cell, then min/median/max;
 `--json` writes the rows.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -53,11 +57,16 @@ def _run(cmd: list[str], env: dict, log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[2:])} failed ({done.returncode}); log {log}:\n{tail}")
 
 
-def cell(algo: str, seed: int, build_cap: str, train_cap: str | None, cache: Path, work: Path, build: bool = True) -> dict:
+def cell(
+    algo: str, seed: int, build_cap: str, train_cap: str | None, cache: Path, work: Path, build: bool = True, variant: str = ""
+) -> dict:
     """One `raypo train` (after `raypo make-tiny` when the build has a kernel set of its own);
-    `build=False`: the model is in `cache` already."""
+    `build=False`: the model is in `cache` already; `variant`: comma-separated overrides."""
     env = {**os.environ, "RAYPO_CACHE": str(cache)}
-    overrides = ["--set", f"model.tiny.seed={seed}", "--set", f"output_dir={work / 'runs'}", "--set", f"name={algo}_{seed}"]
+    run = f"{algo}_{seed}" + ("_" + re.sub(r"[^A-Za-z0-9]+", "_", variant) if variant else "")
+    overrides = ["--set", f"model.tiny.seed={seed}", "--set", f"output_dir={work / 'runs'}", "--set", f"name={run}"]
+    for item in filter(None, variant.split(",")):
+        overrides += ["--set", item]
     started = time.monotonic()
     if build and build_cap != train_cap:
         _run(
@@ -66,12 +75,12 @@ def cell(algo: str, seed: int, build_cap: str, train_cap: str | None, cache: Pat
             work / "build.log",
         )
     train_env = {**env, **({"ATEN_CPU_CAPABILITY": train_cap} if train_cap else {})}
-    _run([*RAYPO, "train", "-c", f"configs/{algo}_tiny.yaml", *overrides], train_env, work / f"{algo}.log")
+    _run([*RAYPO, "train", "-c", f"configs/{algo}_tiny.yaml", *overrides], train_env, work / f"{run}.log")
     minutes = (time.monotonic() - started) / 60
-    summary = json.loads((work / "runs" / f"{algo}_{seed}" / "summary.json").read_text())
+    summary = json.loads((work / "runs" / run / "summary.json").read_text())
     manifest = json.loads(next(cache.glob("tiny-*/raypo_tiny.json")).read_text())
     return {
-        "algo": algo,
+        "algo": f"{algo} {variant}" if variant else algo,
         "seed": seed,
         "build": build_cap,
         "train": train_cap or "native",
@@ -98,6 +107,9 @@ def main() -> None:
     parser.add_argument("--build-only", nargs="*", default=["default"], help="kernel sets for the build alone")
     parser.add_argument("--ppo-seed", type=int, default=0, help="the seed PPO runs for, per capability (-1: none)")
     parser.add_argument("--algos", nargs="+", default=["grpo"], help="presets every cell runs (configs/<algo>_tiny.yaml)")
+    parser.add_argument(
+        "--variants", nargs="*", default=[], help="KEY=VALUE[,KEY=VALUE...]: the first preset again with these overrides"
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
 
@@ -113,8 +125,9 @@ def main() -> None:
                 work.mkdir()
                 cache = work / "cache"
                 algos = [*args.algos, *(["ppo"] if seed == args.ppo_seed else [])]
-                for i, algo in enumerate(algos):  # after the first, on the model it built: times exclude the build
-                    rows.append(cell(algo, seed, build_cap, train_cap, cache, work, build=i == 0))
+                runs = [(algo, "") for algo in algos] + [(args.algos[0], v) for v in args.variants]
+                for i, (algo, variant) in enumerate(runs):  # after the first, on the model it built: times exclude the build
+                    rows.append(cell(algo, seed, build_cap, train_cap, cache, work, build=i == 0, variant=variant))
                     print(json.dumps(rows[-1]), flush=True)
 
     import torch

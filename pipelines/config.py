@@ -234,7 +234,12 @@ class AlgoConfig(Strict):
     value_clip: float = Field(0.5, gt=0, description="value clip range")
     entropy_coef: float = Field(0.01, ge=0, description="weight of the entropy bonus")
     kl_coef: float = Field(0.001, ge=0, description="weight of the KL penalty to the reference model")
-    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    kl_kind: Literal["k1", "k2", "k3"] = Field(
+        "k2",
+        description="KL estimator in the loss: k2 = (log pi/pi_ref)^2 / 2, whose gradient is that of KL(pi || pi_ref); "
+        "k3 = r - 1 - log r (r = pi_ref/pi), whose gradient is that of KL(pi_ref || pi); k1 = log pi/pi_ref has zero "
+        "expected gradient as a loss and is refused with a KL penalty on",
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO temperature")
     dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
@@ -277,6 +282,16 @@ class AlgoConfig(Strict):
             raise ValueError(
                 f"algo.name=gspo with algo.policy_loss={self.policy_loss}: GSPO is GRPO with the gspo policy loss; "
                 "leave algo.policy_loss out, or use algo.name=grpo"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kl_estimator_has_a_gradient(self):
+        if self.kl_coef > 0 and self.kl_kind == "k1" and self.name != "dpo":
+            raise ValueError(
+                f"algo.kl_kind=k1 with algo.kl_coef={self.kl_coef:g}: as a loss term k1 = log pi - log pi_ref has zero "
+                "expected gradient on samples of pi (E[grad log pi] = 0), so the penalty would do nothing; use k2 "
+                "(gradient of KL(pi || pi_ref)) or k3 (gradient of KL(pi_ref || pi)), or algo.kl_coef=0"
             )
         return self
 
@@ -324,8 +339,9 @@ class TrainingConfig(Strict):
 
 class InferenceConfig(Strict):
     max_tokens: int = Field(2048, ge=1, description="longest completion")
-    temperature: float = Field(0.7, ge=0, description="sampling temperature")
-    top_p: float = Field(0.9, gt=0, le=1, description="nucleus sampling")
+    temperature: float = Field(0.7, ge=0, description="sampling temperature (RL needs > 0)")
+    top_p: float = Field(0.9, gt=0, le=1, description="nucleus sampling: keep the most likely tokens up to this mass (1 = off)")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens before top_p (0 = off)")
 
 
 class ResourceConfig(Strict):
@@ -404,6 +420,16 @@ class RaypoConfig(Strict):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+
+    @model_validator(mode="after")
+    def _rl_samples(self):
+        if self.algo.generates and self.inference.temperature == 0:
+            raise ValueError(
+                f"inference.temperature=0 with algo.name={self.algo.name}: greedy decoding gives every sample of a prompt "
+                "the same completion, so there is nothing to compare and the policy's log-probs are undefined; use a "
+                "temperature > 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refresh_needs_samples(self):

@@ -14,6 +14,7 @@ from actors.rollout import RolloutActor
 from actors.weight_sync import BroadcastSync
 from pipelines.algos.advantages import group_advantages
 from pipelines.algos.losses import LossSpec
+from pipelines.algos.sampling import SamplingSpec, prompt_seeds
 from pipelines.data.evaluate import greedy_complete
 from pipelines.data.tasks import Arithmetic, reward_fields
 
@@ -41,7 +42,7 @@ def problems():
 
 @pytest.fixture(scope="module")
 def batch_ref(rollout, problems):
-    return rollout.generate.remote([p.prompt for p in problems], 4, 1.0, 1.0, 8, 7)
+    return rollout.generate.remote([p.prompt for p in problems], 4, SamplingSpec(), 8, list(range(7, 7 + len(problems))))
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,59 @@ def test_reference_logprobs_match_the_rollout_engine(local_ray, tiny_model, batc
     ref = ray.get(reference.logprobs.remote(batch_ref))
     np.testing.assert_allclose(ref, ray.get(batch_ref)["behaviour_logprobs"], atol=1e-4)
     ray.kill(reference)
+
+
+TRUNCATED = SamplingSpec(temperature=1.0, top_p=0.9, top_k=20)
+
+
+def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, tiny_model, rollout, problems):
+    """The sampling contract: with top_p 0.9 and top_k 20, the learner's log-probs of fresh samples
+    equal the engine's behaviour log-probs token by token (ratio 1), because both are of the
+    truncated, renormalised distribution. The full softmax (what the learner computed before, and
+    what the reference still scores) gives ratio Z, the nucleus mass, below 1 (0.91 at worst on
+    the warm-started tiny model; a less confident model's Z falls under 1 - eps, the clipped branch)."""
+    prompts = [p.prompt for p in problems]
+    batch = ray.get(rollout.generate.remote(prompts, 4, TRUNCATED, 8, prompt_seeds(0, 0, len(prompts))))
+    group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, sampling=TRUNCATED), 1, 0.5)
+    learner = group.run("logprobs", batch)[0]
+    group.shutdown()
+    mask = batch["response_mask"] == 1
+    ratio = np.exp(learner - batch["behaviour_logprobs"])[mask]
+    np.testing.assert_allclose(ratio, 1.0, atol=2e-4)
+    reference = ReferenceActor.options(num_cpus=0.5).remote(str(tiny_model[0]))
+    full = ray.get(reference.logprobs.remote(batch))
+    ray.kill(reference)
+    full_ratio = np.exp(full - batch["behaviour_logprobs"])[mask]
+    assert full_ratio.min() < 0.95 and (full_ratio < 0.99).mean() > 0.05, np.quantile(full_ratio, [0, 0.1, 0.5])
+    assert full_ratio.max() <= 1 + 1e-4
+
+
+def _sample_streams(rollout, seeds: list[int]) -> np.ndarray:
+    """`[prompts, 4]` completions of one prompt repeated len(seeds) times, at temperature 2 (the
+    warm-started tiny model is nearly certain at 1)."""
+    batch = ray.get(rollout.generate.remote(["5+"] * len(seeds), 4, SamplingSpec(temperature=2.0), 12, seeds))
+    return np.array(batch["response_text"], dtype=object).reshape(len(seeds), 4)
+
+
+def test_prompts_of_one_call_draw_independent_samples(rollout):
+    """Eight copies of one prompt in one call: sample j of different copies agrees no more often
+    than two different samples of the same copy do (both are independent draws of one
+    distribution). One seed for every prompt, as raypo passed before, makes every copy's sample j
+    identical; per-prompt seeds (`prompt_seeds`) do not."""
+
+    def same_j_rate(streams):  # sample j of copy a == sample j of copy b, a != b
+        return np.mean([streams[a, j] == streams[b, j] for a in range(8) for b in range(a) for j in range(4)])
+
+    def within_rate(streams):  # sample i == sample j of one copy, i != j
+        return np.mean([streams[a, i] == streams[a, j] for a in range(8) for i in range(4) for j in range(i)])
+
+    shared = _sample_streams(rollout, [7] * 8)
+    assert same_j_rate(shared) == 1.0  # the failure this guards against, shown with shared seeds
+    independent = _sample_streams(rollout, prompt_seeds(0, 0, 8))
+    # 112 cross-copy and 48 within-copy pairs; at temperature 2 two draws of 12 tokens rarely
+    # coincide, so equal rates stay well inside this margin and shared noise (rate 1) is far outside it.
+    assert same_j_rate(independent) <= within_rate(independent) + 0.25, (same_j_rate(independent), within_rate(independent))
+    assert len(set(independent.ravel())) > 8
 
 
 def test_buffer_serves_the_steps_minibatches_as_object_refs(buffer, batch_ref):

@@ -100,11 +100,20 @@ def test_parse_cpu_list():
         (["algo.name=grpo", "algo.advantage=gae"], r"algo\.name=grpo with algo\.advantage=gae: grpo has no critic"),
         (["algo.name=gspo", "algo.policy_loss=ppo"], r"algo\.name=gspo with algo\.policy_loss=ppo"),
         (["algo.name=dpo", "algo.advantage=gae"], r"algo\.name=dpo with algo\.advantage=gae: DPO learns from preference"),
+        (["algo.kl_kind=k1"], r"algo\.kl_kind=k1 with algo\.kl_coef=0\.001: as a loss term k1 .* zero expected gradient"),
+        (["algo.kl_kind=k1", "algo.name=ppo"], r"algo\.kl_kind=k1 .* the penalty would do nothing; use k2"),
+        (["inference.temperature=0"], r"inference\.temperature=0 with algo\.name=grpo: greedy decoding"),
     ],
 )
 def test_combinations_that_cannot_run_are_refused_at_load_naming_both_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_k1_without_a_penalty_and_greedy_dpo_are_fine():
+    """k1 is refused only where it would be a loss term; DPO samples nothing, so temperature 0 is fine."""
+    assert load_config(None, ["algo.kl_kind=k1", "algo.kl_coef=0"]).algo.kl_kind == "k1"
+    assert load_config(None, ["algo.name=dpo", "inference.temperature=0"]).inference.temperature == 0
 
 
 def test_the_algorithm_sets_its_own_defaults():

@@ -60,8 +60,39 @@ def test_prepare_experience_gives_group_advantages_and_step_stats():
             "response_tokens": 6,
             "truncated_fraction": 0.25,
             "reward_all_zero": False,
+            "reward_unscored": 0,
+            "samples": 4,
         }
     )
+    assert targets["scored"].tolist() == [True] * 4
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+def test_unscored_samples_are_left_out_of_the_group_statistics(advantage):
+    """Groups of 4 where one sample is unscored (NaN): the others' advantages are those of the group
+    of 3 scored samples alone, the unscored one gets 0 and `scored` False; the stats count it and
+    average the scored rewards only. Before, NaN was not possible: None became 0, then the floor."""
+    batch = _batch([[1]] * 8, [[5, 6]] * 8, [0, 0, 0, 0, 1, 1, 1, 1])
+    scores = np.array([1.0, np.nan, -1.0, -1.0, 1.0, 1.0, np.nan, -1.0], dtype=np.float32)
+    targets, stats = prepare_experience(batch, scores, None, None, advantage, 4, 1.0, 1.0, reward_floor=-1.0)
+    for group in (slice(0, 4), slice(4, 8)):
+        kept = ~np.isnan(scores[group])
+        alone, _ = prepare_experience(
+            _batch([[1]] * 3, [[5, 6]] * 3, [0, 0, 0]), scores[group][kept], None, None, advantage, 3, 1.0, 1.0, -1.0
+        )
+        np.testing.assert_allclose(targets["advantages"][group][kept], alone["advantages"], rtol=1e-6)
+        assert not targets["advantages"][group][~kept].any()
+    assert targets["scored"].tolist() == [True, False, True, True, True, True, False, True]
+    assert stats["reward_unscored"] == 2 and stats["reward_mean"] == pytest.approx(0.0)
+
+
+def test_unscored_samples_get_no_gae_reward():
+    batch, _ = _grpo_inputs()
+    values = np.zeros((4, 2), dtype=np.float32)
+    scores = np.array([1.0, np.nan, 0.5, 0.0], dtype=np.float32)
+    targets, _ = prepare_experience(batch, scores, None, values, "gae", 2, 1.0, 1.0, reward_floor=-1.0)
+    np.testing.assert_array_equal(targets["advantages"], [[1, 1], [0, 0], [0.5, 0.5], [0, 0]])
+    assert np.isfinite(targets["returns"]).all() and targets["scored"].tolist() == [True, False, True, True]
 
 
 def test_prepare_experience_with_a_critic_gives_gae_returns():

@@ -3,6 +3,7 @@ non-finite loss is skipped without touching the weights."""
 
 import numpy as np
 import pytest
+import torch
 
 from actors.core.learner import Learner, LearnerSpec
 from actors.core.minibatch import minibatches
@@ -106,3 +107,83 @@ def test_dpo_update_raises_the_chosen_over_the_rejected(tiny_model):
     margin = (end["policy_chosen"] - reference["reference_chosen"]) - (end["policy_rejected"] - reference["reference_rejected"])
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"]) and metrics["loss"] < np.log(2)
     assert margin.mean() > 0 and (margin > 0).mean() >= 0.75, margin
+
+
+@pytest.fixture(scope="module")
+def frozen(tiny_model):
+    """A learner with learning rate 0: its losses can be compared call after call (the weights
+    never move)."""
+    return Learner(LearnerSpec(str(tiny_model[0]), lr=0.0), master_port=29611)  # joins the module's gloo world
+
+
+def _long_batch(n=8):
+    """`_batch()` with 6-token responses ("4545" + EOS twice as long)."""
+    batch = _batch(n)
+    batch["response_ids"] = np.array([[25, 26, 25, 26, 25, 2]] * (n // 2) + [[27, 28, 27, 28, 27, 2]] * (n - n // 2))
+    batch["response_mask"] = np.ones((n, 6), dtype=np.int64)
+    return batch
+
+
+def test_gspo_loss_through_the_learner_does_not_depend_on_response_length(frozen):
+    """Every token's log-ratio c and every advantage A: GSPO's loss is -exp(c) A (a mean over
+    sequences) for 3- and 6-token responses alike, whatever `algo.aggregate` is. The learner used to
+    divide GSPO's sum over sequences by the minibatch's token count (3x or 6x smaller)."""
+    c, adv = 0.1, 0.5
+    for batch in (_batch(), _long_batch()):
+        for aggregate in ("token-mean", "seq-mean-token-mean"):
+            step = {
+                **batch,
+                "behaviour_logprobs": frozen.logprobs(batch) - c,
+                "advantages": (adv * batch["response_mask"]).astype(np.float32),
+            }
+            spec = LossSpec(policy_loss="gspo", clip_low=0.5, clip_high=0.5, aggregate=aggregate, kl_coef=0.0, entropy_coef=0.0)
+            metrics = frozen.train_step(minibatches(step, 8, seed=0), spec)
+            assert metrics["pg_loss"] == pytest.approx(-np.exp(c) * adv, rel=1e-4), (batch["response_ids"].shape, aggregate)
+
+
+def test_unscored_samples_stay_out_of_the_loss(frozen):
+    """Samples no reward scored (`scored` False) count in no loss term or normalizer: the step's
+    losses equal those of the scored rows alone, though the unscored rows carry huge advantages."""
+    batch = _batch()
+    scored = np.array([True, True, False, True, False, True, False, False])
+    adv = np.where(scored, 1.0, 1e3)[:, None] * batch["response_mask"]
+    reference = np.tile(frozen.logprobs(batch)[:1] - 0.3, (8, 1))
+    step = {**batch, "behaviour_logprobs": frozen.logprobs(batch), "advantages": adv.astype(np.float32)}
+    step["reference_logprobs"] = reference.astype(np.float32)
+    with_mask = frozen.train_step(minibatches({**step, "scored": scored}, 8, seed=0), LossSpec())
+    alone = frozen.train_step(minibatches({k: v[scored] for k, v in step.items()}, 8, seed=0), LossSpec())
+    for key in ("loss", "pg_loss", "entropy", "kl", "kl_loss"):
+        assert with_mask[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-7), key
+    with pytest.raises(ValueError, match="all unscored"):
+        frozen.train_step(minibatches({**step, "scored": np.zeros(8, dtype=bool)}, 8, seed=0), LossSpec())
+
+
+def test_a_bf16_learner_and_its_reference_start_at_zero_dpo_margin(tiny_model):
+    """The reference model runs in the learner's dtype: under a bf16 learner, policy and reference
+    log-probs of the same pairs agree at step 0, so DPO's implicit rewards and margin start at 0. A
+    float32 reference beside the bf16 policy (what raypo did) starts off by bf16's rounding."""
+    from transformers import AutoTokenizer
+
+    from actors.core.reference import ReferenceScorer
+    from pipelines.algos.losses import dpo_loss
+    from pipelines.data.preferences import encode_pairs, pair_of
+    from pipelines.data.tasks import Arithmetic
+
+    problems = Arithmetic(operators="+").sample(16, "train", 1)
+    pairs = encode_pairs(AutoTokenizer.from_pretrained(tiny_model[0]), [pair_of(p) for p in problems])
+    half = Learner(LearnerSpec(str(tiny_model[0]), lr=0.0, bf16=True), master_port=29611)
+    policy = {k: torch.from_numpy(v).float() for k, v in half.pair_logprobs(pairs).items()}
+
+    def start(dtype: str) -> tuple[float, float]:
+        """DPO's implicit-reward margin at step 0 and the largest policy - reference log-prob gap."""
+        scorer = ReferenceScorer(str(tiny_model[0]), dtype=dtype)
+        ref = {k: torch.from_numpy(v).float() for k, v in scorer.pair_logprobs(pairs).items()}
+        _, metrics = dpo_loss(
+            policy["policy_chosen"], policy["policy_rejected"], ref["reference_chosen"], ref["reference_rejected"]
+        )
+        gap = max((policy[f"policy_{s}"] - ref[f"reference_{s}"]).abs().max().item() for s in ("chosen", "rejected"))
+        return metrics["reward_margin"], gap
+
+    (margin, gap), (_, float32_gap) = start("bfloat16"), start("float32")
+    assert margin == 0.0 and gap == 0.0, (margin, gap)
+    assert float32_gap > 1e-3, float32_gap  # the mismatch this fixes is visible

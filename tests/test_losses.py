@@ -240,3 +240,88 @@ def test_dpo_loss_on_shards_smaller_than_one_pair_adds_up():
     empty, _ = dpo_loss(pc[:0], pr[:0], rc[:0], rr[:0], beta=0.5, normalizer=0.5)
     torch.testing.assert_close((mine + empty) / 2, whole)
     assert shard_metrics["reward_accuracy"] / 2 == metrics["reward_accuracy"] == 1.0
+
+
+# ----------------------------------------------------------------------------- KL in the loss
+def _expected_gradient_of_estimator(kind: str, logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """The gradient a KL estimator gives as a loss term, in expectation over samples of pi, exactly:
+    sum_a pi(a) grad k(a) with pi(a) held fixed (the samples do not move with the weights), by
+    autograd over the whole small vocabulary."""
+    logits = logits.clone().requires_grad_(True)
+    logp, ref = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    (logp.exp().detach() * kl_penalty(logp, ref, kind)).sum().backward()
+    return logits.grad
+
+
+def _kl_gradient(logits: torch.Tensor, ref_logits: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """grad KL(pi || pi_ref) (reverse) or grad KL(pi_ref || pi), autograd on the full distributions."""
+    logits = logits.clone().requires_grad_(True)
+    logp, ref = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    kl = (logp.exp() * (logp - ref)).sum() if reverse else (ref.exp() * (ref - logp)).sum()
+    kl.backward()
+    return logits.grad
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_kl_estimator_gives_the_gradient_the_docs_name(seed):
+    """k1: zero (a no-op penalty); k2: grad KL(pi || pi_ref); k3: grad KL(pi_ref || pi). Six tokens,
+    four positions, exact expectations (no sampling)."""
+    g = torch.Generator().manual_seed(seed)
+    logits, ref_logits = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    torch.testing.assert_close(_expected_gradient_of_estimator("k1", logits, ref_logits), torch.zeros(4, 6))
+    torch.testing.assert_close(
+        _expected_gradient_of_estimator("k2", logits, ref_logits), _kl_gradient(logits, ref_logits, reverse=True)
+    )
+    torch.testing.assert_close(
+        _expected_gradient_of_estimator("k3", logits, ref_logits), _kl_gradient(logits, ref_logits, reverse=False)
+    )
+    # the two divergences' gradients differ here, so the checks above tell k2 from k3
+    assert not torch.allclose(_kl_gradient(logits, ref_logits, True), _kl_gradient(logits, ref_logits, False), atol=1e-3)
+
+
+def test_the_default_kl_estimator_pulls_towards_the_reference_along_kl_pi_ref():
+    """The default `algo.kl_kind` (and LossSpec's) is the one whose gradient is that of
+    KL(pi || pi_ref), the penalty README and the config describe."""
+    from pipelines.algos.losses import LossSpec
+    from pipelines.config import AlgoConfig
+
+    logits, ref_logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(7)), torch.zeros(3, 5)
+    for kind in (AlgoConfig().kl_kind, LossSpec().kl_kind):
+        torch.testing.assert_close(
+            _expected_gradient_of_estimator(kind, logits, ref_logits), _kl_gradient(logits, ref_logits, reverse=True)
+        )
+
+
+# ----------------------------------------------------------------------------- GSPO's normalisation
+@pytest.mark.parametrize("aggregate", MODES)
+def test_gspo_is_a_mean_over_sequences_whatever_the_length_and_aggregate(aggregate):
+    """Two sequences with the same per-token log-ratio c and advantage: GSPO's s_i = exp(c) is the
+    same at any length, and so is the loss -s A (unclipped) when the learner's `Normalizers` are
+    used, at 3 or 7 response tokens and with any padding. With the token count as the divisor (what
+    the learner passed before) the 7-token loss was 3/7 of the 3-token one."""
+    from pipelines.algos.losses import Normalizers
+
+    c, adv = 0.1, 0.5
+    for length, width in ((3, 3), (3, 9), (7, 7), (7, 12)):
+        mask = torch.zeros(2, width)
+        mask[:, :length] = 1
+        logp = torch.full((2, width), c)
+        loss, _ = POLICY_LOSSES.get("gspo")(
+            logp, torch.zeros(2, width), torch.full((2, width), adv) * mask, mask,
+            clip_low=0.5, clip_high=0.5, aggregate=aggregate, normalizer=Normalizers.of(mask),
+        )  # fmt: skip
+        assert loss.item() == pytest.approx(-math.exp(c) * adv, rel=1e-6), (length, width)
+
+
+def test_normalizers_shard_to_the_whole_minibatch_for_gspo_too():
+    """Two learners, each with half the sequences and `Normalizers.of(whole, 2)`: their GSPO losses
+    add up (mean over ranks x world size) to the one-learner loss."""
+    from pipelines.algos.losses import Normalizers
+
+    torch.manual_seed(3)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    logp, adv = torch.randn(4, 4) * 0.1, torch.randn(4)[:, None].expand(4, 4) * mask
+    gspo = POLICY_LOSSES.get("gspo")
+    whole, _ = gspo(logp, torch.zeros(4, 4), adv, mask, normalizer=Normalizers.of(mask))
+    shards = [gspo(logp[r], torch.zeros(2, 4), adv[r], mask[r], normalizer=Normalizers.of(mask, 2))[0] for r in ([0, 2], [1, 3])]
+    assert (sum(shards) / 2).item() == pytest.approx(whole.item(), rel=1e-6)

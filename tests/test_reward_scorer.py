@@ -45,6 +45,18 @@ def test_weighted_terms_combine_and_normalise(reward_server):
     np.testing.assert_allclose(normalised, [1.0, -1.0])
 
 
+def test_a_sample_no_term_scores_is_unscored_not_zero():
+    """None from every term: NaN (unscored), not 0 normalised to the floor -1; None from one term
+    of two: that term is left out of the sum."""
+    scorer = RewardScorer([("exact_match", 1.0), ("answer_format", 0.5)], normalize=True, value_range=(0.0, 1.5))
+    fields = {"answer": ["2", None, None]}
+    out = scorer.score(["1+1=", "x", "y"], ["2", "a b", "ok"], **fields)
+    np.testing.assert_allclose(out, [1.0, -1.0, 2 * 0.5 / 1.5 - 1])  # the second: format 0 (scored), exact_match None
+    only_exact = RewardScorer([("exact_match", 1.0)], normalize=True)
+    assert np.isnan(only_exact.score(["p", "q"], ["2", "3"], answer=[None, "3"])).tolist() == [True, False]
+    assert only_exact.scores_by_term(["p"], ["2"], answer=[None])["combined"] == [None]
+
+
 def test_unreachable_reward_url_fails_naming_it_after_retries():
     with __import__("socket").socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -132,6 +132,23 @@ def test_reward_file_that_raises_ends_the_run_naming_it(local_ray, tiny_model, t
         train(cfg)
 
 
+def test_a_step_no_reward_scored_is_skipped_with_a_warning(local_ray, tiny_model, tmp_path):
+    """A reward that scores nothing (None for every sample): each step is skipped, said in its
+    metrics and alerts, and the weights stay as they were. Before, None counted as 0 and was
+    normalised to the floor, so "not scored" trained like "wrong"."""
+    reward = tmp_path / "abstains.py"
+    reward.write_text("def score(prompts, completions, **fields):\n    return [None] * len(completions)\n")
+    cfg = _cfg(tmp_path, "grpo_tiny.yaml", "name=u", "training.steps=2", f"reward.terms=[{{fn: '{reward}:score'}}]")
+    summary = train(cfg)
+    metrics = [json.loads(line) for line in (tmp_path / "u" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update_skipped"] for m in metrics] == [1, 1]
+    assert all(m["reward_unscored"] == m["samples"] == 32 for m in metrics)
+    assert all(any("no reward scored any sample" in a for a in m["alerts"]) for m in metrics)
+    start, end = load_file(str(Path(tiny_model[0]) / "model.safetensors")), load_file(f"{summary['policy']}/model.safetensors")
+    assert all(np.array_equal(start[k], end[k]) for k in start)
+    assert summary["eval_end"]["reward_mean"] is None and summary["eval_end"]["pass_rate"] == 0.0
+
+
 def test_dead_actor_ends_the_run_and_keeps_the_last_checkpoint(local_ray, tiny_model, tmp_path):
     cfg = _cfg(tmp_path, "grpo_tiny.yaml", "name=d", "training.steps=4", "training.save_every=1")
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
-from actors.core.modeling import sequence_tensors
+from actors.core.modeling import loss_mask, sequence_tensors
 from pipelines.algos.losses import value_loss
 
 
@@ -59,11 +59,14 @@ class Critic:
         totals = {"value_loss": 0.0, "value_mse": 0.0, "value_clip_fraction": 0.0}
         count = 0
         for batch in minibatches:
+            mask = loss_mask(batch)  # samples no reward scored have no return to fit
+            if not mask.any():
+                continue
             inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
             values = self.model(inputs)
             old = torch.from_numpy(batch["old_values"])
             returns = torch.from_numpy(batch["returns"])
-            loss, metrics = value_loss(values, old, returns, inputs["response_mask"], clip=self.clip)
+            loss, metrics = value_loss(values, old, returns, mask, clip=self.clip)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -73,7 +76,7 @@ class Critic:
             totals["value_clip_fraction"] += metrics["value_clip_fraction"]
             count += 1
         self.steps_done += 1
-        return {k: v / count for k, v in totals.items()}
+        return {k: v / max(count, 1) for k, v in totals.items()}
 
     def save(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)

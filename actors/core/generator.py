@@ -1,7 +1,9 @@
 """Generator: the Ray-free core of a rollout actor, one vLLM engine.
 
 Samples `n` completions per prompt and returns them as a batch of numpy arrays, with the
-behaviour log-probs of the sampled tokens (after temperature, as the learner computes them).
+behaviour log-probs of the sampled tokens under the distribution they were drawn from (after
+temperature, top-k and top-p: vLLM's `processed_logprobs`), which the learner computes the same
+way (pipelines/algos/sampling.py).
 `update_weights` loads a new state dict into the running engine without re-creating it.
 """
 
@@ -12,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from actors.core.weight_sync import open_group, receive, tensors_from_arrays
-from pipelines.models.vllm_engine import greedy, make_llm
+from pipelines.algos.sampling import SamplingSpec
+from pipelines.models.vllm_engine import greedy, make_llm, sampling_params
 
 
 class Generator:
@@ -40,28 +43,19 @@ class Generator:
         self,
         prompts: Sequence[str],
         n: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        sampling: SamplingSpec | None = None,
         max_tokens: int = 16,
-        seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> dict[str, np.ndarray]:
-        """`n` samples for each prompt, grouped contiguously (prompt i -> rows i*n .. i*n+n-1).
+        """`n` samples for each prompt, grouped contiguously (prompt i -> rows i*n .. i*n+n-1),
+        drawn as `sampling` says, prompt i seeded with `seeds[i]` (None: unseeded).
 
         Returns numpy arrays: `prompt_ids` [N, P] (left-padded), `prompt_mask` [N, P],
         `response_ids` [N, T] and `response_mask` [N, T] (right-padded),
         `behaviour_logprobs` [N, T] float32, `prompt_index` [N]; and object arrays
         `prompt_text`, `response_text`, `finished` (stopped by EOS rather than length).
         """
-        from vllm import SamplingParams  # heavy: imported in the engine's process only
-
-        params = SamplingParams(
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            logprobs=0,
-            seed=seed,
-        )
+        params = sampling_params(n, sampling or SamplingSpec(), max_tokens, seeds, len(prompts), logprobs=0)
         outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
         rows = [(i, out.prompt_token_ids, sample) for i, out in enumerate(outputs) for sample in out.outputs]
         P = max(len(p) for _, p, _ in rows)

@@ -19,19 +19,26 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from actors.core.modeling import COMPLETIONS, completion_logprobs, completion_scores, response_logits, sequence_tensors
+from actors.core.modeling import (
+    COMPLETIONS,
+    completion_logprobs,
+    completion_scores,
+    loss_mask,
+    response_logits,
+    sequence_tensors,
+)
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
     POLICY_LOSSES,
     DPOSpec,
     LossSpec,
+    Normalizers,
     bradley_terry_loss,
     dpo_loss,
-    entropy_from_logits,
     kl_penalty,
-    logprobs_from_logits,
     masked_aggregate,
 )
+from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 from pipelines.data.preferences import pad_id
 
 EVAL_CHUNK = 64  # pairs per forward pass when a learner scores a whole evaluation set
@@ -48,7 +55,7 @@ class LearnerSpec:
     zero_stage: int = 0
     bf16: bool = False
     gradient_checkpointing: bool = False
-    temperature: float = 1.0
+    sampling: SamplingSpec = SamplingSpec()  # how the rollout samples: the policy is that distribution
     seed: int = 0
     use_gpu: bool = False
     head: str = "lm"  # lm: the causal LM (a policy); score: a one-logit sequence-classification head (a reward model)
@@ -101,22 +108,34 @@ class Learner:
 
     @torch.no_grad()
     def logprobs(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Log-probs `[N, T]` of the batch's response tokens under the current weights (all rows)."""
+        """Log-probs `[N, T]` of the batch's response tokens under the current weights (all rows),
+        in the sampling distribution (temperature, top-k, top-p) the rollout draws from."""
         self.engine.eval()
         inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
-        logits = response_logits(self.engine, inputs, self.spec.temperature)
-        logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]
-        return logp.numpy().astype(np.float32)
+        logp, _ = self._policy(inputs)
+        return (logp * inputs["response_mask"]).numpy().astype(np.float32)
+
+    def _policy(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of each response token and the entropy at each position, `[n, T]` each, under
+        the distribution the rollout samples from (pipelines/algos/sampling.py)."""
+        sampling = self.spec.sampling
+        logits = response_logits(self.engine, inputs, sampling.temperature)  # [n, T, V]
+        return token_logprobs_and_entropy(logits, inputs["response_ids"], sampling)
 
     def train_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], loss: LossSpec) -> dict[str, float]:
         """Policy update on a step's experience, one optimizer step per minibatch (every rank gets
         the whole minibatch and trains on its share of the rows).
 
-        Each needs `advantages` and `behaviour_logprobs` `[n, T]`; `reference_logprobs` for the KL.
-        Returns metrics averaged over the minibatches (and identical on every rank).
+        Each needs `advantages` and `behaviour_logprobs` `[n, T]`; `reference_logprobs` for the KL;
+        `scored` `[n]` (optional) leaves the samples no reward scored out of the loss. A minibatch
+        with no scored sample takes no optimizer step. Returns metrics averaged over the
+        minibatches (and identical on every rank).
         """
         self.engine.train()
-        return self._steps_done([self._minibatch_step(mb, loss) for mb in minibatches])
+        results = [r for r in (self._minibatch_step(mb, loss) for mb in minibatches) if r is not None]
+        if not results:
+            raise ValueError("no sample of this step has a reward (all unscored): nothing to learn from")
+        return self._steps_done(results)
 
     def _steps_done(self, results: list[dict[str, float]]) -> dict[str, float]:
         """A step's metrics: the mean over its minibatches' updates (skipped ones report none)."""
@@ -126,20 +145,16 @@ class Learner:
         out["update_success"] = sum(r["update_success"] for r in results) / len(results)
         return out
 
-    def _minibatch_step(self, batch: Mapping[str, np.ndarray], spec: LossSpec) -> dict[str, float]:
-        rows = np.arange(len(batch["response_ids"]))
-        whole_mask = torch.from_numpy(batch["response_mask"])
-        if spec.aggregate == "token-mean":
-            whole_count = float(whole_mask.sum())
-        else:
-            whole_count = float((whole_mask.sum(dim=1) > 0).sum())
+    def _minibatch_step(self, batch: Mapping[str, np.ndarray], spec: LossSpec) -> dict[str, float] | None:
+        whole_mask = loss_mask(batch)  # [N, T]
+        if not whole_mask.any():
+            return None  # every sample unscored (same on every rank): no loss, no optimizer step
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
-        normalizer = whole_count / self.world_size
-        mine = self._my_rows(rows)
+        normalizer = Normalizers.of(whole_mask, self.world_size)
+        mine = self._my_rows(np.arange(len(batch["response_ids"])))
         inputs = sequence_tensors(batch, mine)
-        mask = inputs["response_mask"]
-        logits = response_logits(self.engine, inputs, self.spec.temperature)  # [n, T, V]
-        logp = logprobs_from_logits(logits, inputs["response_ids"])  # [n, T]
+        mask = whole_mask[mine]
+        logp, entropy_per_token = self._policy(inputs)  # [n, T] each
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
         pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
@@ -153,19 +168,22 @@ class Learner:
             normalizer=normalizer,
         )
         total = pg_loss
-        entropy = masked_aggregate(entropy_from_logits(logits), mask, spec.aggregate, normalizer)
+        entropy = masked_aggregate(entropy_per_token, mask, spec.aggregate, normalizer)
         total = total - spec.entropy_coef * entropy
-        kl = torch.zeros(())
+        kl_term, kl = torch.zeros(()), torch.zeros(())
         if "reference_logprobs" in batch:
             ref = torch.from_numpy(batch["reference_logprobs"][mine])
-            kl = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
+            kl_term = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
-                total = total + spec.kl_coef * kl
+                total = total + spec.kl_coef * kl_term
+            with torch.no_grad():  # the value to watch: k3, an unbiased estimate of KL(pi || pi_ref), per token
+                kl = masked_aggregate(kl_penalty(logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
         local = {
             "loss": total.item(),
             "pg_loss": pg_loss.item(),
             "entropy": entropy.item(),
             "kl": kl.item(),
+            "kl_loss": kl_term.item(),
             "clip_fraction": metrics["clip_fraction"],
             "approx_kl": metrics["approx_kl"],
         }

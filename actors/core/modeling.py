@@ -41,6 +41,15 @@ def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[
     }
 
 
+def loss_mask(batch: Mapping[str, np.ndarray]) -> torch.Tensor:
+    """`[N, T]`: the response tokens of the samples a reward scored (`scored` `[N]`; all when the
+    batch has no such column). Unscored samples stay out of every loss and normalizer."""
+    mask = torch.from_numpy(batch["response_mask"])
+    if "scored" in batch:
+        mask = mask * torch.from_numpy(np.asarray(batch["scored"], dtype=np.int64))[:, None]
+    return mask
+
+
 def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """Logits that predict each response token: `[n, P + T, V]` -> `[n, T, V]`, divided by the
     sampling temperature so log-probs match the behaviour policy's."""

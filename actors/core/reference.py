@@ -1,5 +1,10 @@
 """ReferenceScorer: log-probs of responses under the frozen initial policy (the reference model
-of the KL term), no optimizer. The Ray-free core of the reference actor."""
+of the KL term), no optimizer. The Ray-free core of the reference actor.
+
+It runs in the learner's dtype (bfloat16 under a bf16 learner), so at step 0 the policy's and
+the reference's log-probs agree to rounding and DPO's margin and the KL start at zero. Its
+log-probs are of the full softmax at the sampling temperature, not truncated by top-k/top-p: a
+truncated reference could give a sampled token probability 0 (an infinite KL)."""
 
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ from pipelines.algos.losses import logprobs_from_logits
 
 
 class ReferenceScorer:
-    def __init__(self, model_dir: str, temperature: float = 1.0, batch_rows: int = 256):
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir: str, temperature: float = 1.0, batch_rows: int = 256, dtype: str = "float32"):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.temperature = temperature
         self.batch_rows = batch_rows
 

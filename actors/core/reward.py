@@ -3,7 +3,9 @@
 Combines weighted reward terms into one score per completion. A term is a rule (a built-in
 name or `path/to/file.py:function`), a remote HTTP endpoint (`http://...`: timeouts, retries
 with backoff, a clear error after the last try), or a Hugging Face sequence-classification
-model (`model:/path/to/dir`). Terms that return None for a sample are left out of its sum.
+model (`model:/path/to/dir`). Terms that return None for a sample are left out of its sum; a
+sample that no term scored is unscored (NaN in `score`, None in `scores_by_term`), and RL leaves
+it out of the group statistics and the loss instead of counting it as a zero reward.
 """
 
 from __future__ import annotations
@@ -134,16 +136,25 @@ class RewardScorer:
         return {spec: score(fn, prompts, completions, name=spec, **fields) for spec, _, fn in self.terms}
 
     def combine(self, term_scores: dict[str, list[float | None]]) -> np.ndarray:
-        """The weighted sum of the terms that scored each completion (None counts as 0), raw."""
-        total = np.zeros(len(next(iter(term_scores.values()))), dtype=np.float64)
+        """The weighted sum of the terms that scored each completion, raw; NaN where no term did.
+
+        >>> RewardScorer([("exact_match", 1.0), ("answer_format", 0.5)]).combine(
+        ...     {"exact_match": [1.0, None, None], "answer_format": [1.0, 0.0, None]}).tolist()
+        [1.5, 0.0, nan]
+        """
+        n = len(next(iter(term_scores.values())))
+        total, scored = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool)
         for spec, weight, _ in self.terms:
-            total += weight * np.array([0.0 if v is None else v for v in term_scores[spec]])
-        return total
+            values = term_scores[spec]
+            total += weight * np.array([0.0 if v is None else v for v in values])
+            scored |= np.array([v is not None for v in values])
+        return np.where(scored, total, np.nan)
 
     def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> dict[str, list]:
-        """Each term's scores and, under `combined`, their raw weighted sum: for evaluation."""
+        """Each term's scores and, under `combined`, their raw weighted sum (None where no term
+        scored the sample): for evaluation."""
         terms = self.score_terms(prompts, completions, **fields)
-        return {**terms, "combined": self.combine(terms).tolist()}
+        return {**terms, "combined": [None if np.isnan(c) else float(c) for c in self.combine(terms)]}
 
     def model_term(self) -> ModelReward:
         """The one `model:` term (a reward model), for a refresh."""
@@ -154,7 +165,7 @@ class RewardScorer:
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> np.ndarray:
         """One float32 reward per completion: the weighted sum of the terms that scored it,
-        scaled from `value_range` to [-1, 1] when `normalize` is on."""
+        scaled from `value_range` to [-1, 1] when `normalize` is on; NaN where no term scored it."""
         total = self.combine(self.score_terms(prompts, completions, **fields))
         if self.normalize:
             lo, hi = self.value_range

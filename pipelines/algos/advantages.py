@@ -24,7 +24,8 @@ GROUP_METHODS = ("grpo", "dr_grpo", "reinforce_baseline", "rloo")
 
 @dataclass(frozen=True)
 class AdvantageBatch:
-    """What an estimator may read. `scores` is one scalar per sequence (the reward);
+    """What an estimator may read. `scores` is one scalar per sequence (the reward), NaN for a
+    sample no reward scored: such samples get advantage 0 and count in no group statistic;
     `token_rewards` are extra per-token rewards such as a KL penalty, added to GAE's
     per-token reward; `values` are the critic's estimates (GAE only)."""
 
@@ -75,6 +76,13 @@ def group_advantages(rewards: Tensor, group_size: int, method: str, eps: float =
     - grpo: (r - mean) / (std + eps), unbiased std (DeepSeekMath, Eq. 3 of GRPO)
     - dr_grpo, reinforce_baseline: r - mean (Dr. GRPO drops the std division)
     - rloo: r - mean of the other G-1 rewards (Ahmadian et al. 2024)
+
+    NaN rewards (unscored samples) are left out: each group's statistics are over its n scored
+    members (G becomes n), and unscored samples, and groups with too few scored members for the
+    method (under 2 for grpo and rloo, none otherwise), get advantage 0.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, float("nan"), 0.0]), 4, "dr_grpo").mul(3).round().tolist()
+    [2.0, -1.0, 0.0, -1.0]
     """
     if method not in GROUP_METHODS:
         raise ValueError(f"unknown group advantage method {method!r}; known: {GROUP_METHODS}")
@@ -83,25 +91,33 @@ def group_advantages(rewards: Tensor, group_size: int, method: str, eps: float =
     if method in ("grpo", "rloo") and group_size < 2:
         raise ValueError(f"{method} needs group_size >= 2, got {group_size}")
     grouped = rewards.reshape(-1, group_size)  # [B*G] -> [B, G]
-    mean = grouped.mean(dim=1, keepdim=True)  # [B, 1]
+    scored = ~torch.isnan(grouped)  # [B, G]
+    values = torch.where(scored, grouped, torch.zeros_like(grouped))
+    n = scored.sum(dim=1, keepdim=True).to(grouped.dtype)  # [B, 1] scored members per group
+    mean = values.sum(dim=1, keepdim=True) / n.clamp(min=1)  # [B, 1]
+    centred = torch.where(scored, values - mean, torch.zeros_like(values))
     if method == "grpo":
-        out = (grouped - mean) / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
+        std = (centred.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # unbiased, [B, 1]
+        out = centred / (std + eps)
     elif method == "rloo":
-        # r - (sum - r) / (G - 1) == G / (G - 1) * (r - mean)
-        out = (grouped - mean) * group_size / (group_size - 1)
+        # r - (sum - r) / (n - 1) == n / (n - 1) * (r - mean)
+        out = centred * n / (n - 1).clamp(min=1)
     else:
-        out = grouped - mean
-    return out.reshape(-1)  # [B, G] -> [B*G]
+        out = centred
+    enough = n >= (2 if method in ("grpo", "rloo") else 1)  # [B, 1]
+    return torch.where(enough & scored, out, torch.zeros_like(out)).reshape(-1)  # [B, G] -> [B*G]
 
 
 @register_advantage("gae")
 def _gae(batch: AdvantageBatch, params: AdvantageParams) -> tuple[Tensor, Tensor]:
     if batch.values is None:
         raise ValueError("advantage estimator 'gae' needs critic values (use PPO with a value model)")
-    rewards = _score_at_last_token(batch.scores, batch.mask)
+    scored = ~torch.isnan(batch.scores)  # [B]; an unscored sample gets no reward and no advantage
+    mask = batch.mask * scored[:, None].to(batch.mask.dtype)
+    rewards = _score_at_last_token(torch.nan_to_num(batch.scores, nan=0.0), mask)
     if batch.token_rewards is not None:
         rewards = rewards + batch.token_rewards
-    return compute_gae(rewards, batch.values, batch.mask, params.gamma, params.lam)
+    return compute_gae(rewards, batch.values, mask, params.gamma, params.lam)
 
 
 def _score_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
@@ -116,8 +132,8 @@ def _make_group_estimator(method: str) -> AdvantageFn:
     def estimator(batch: AdvantageBatch, params: AdvantageParams) -> tuple[Tensor, Tensor]:
         mask_f = batch.mask.to(batch.scores.dtype)
         adv = group_advantages(batch.scores, params.group_size, method, params.eps)  # [B]
-        # Every token of a response shares its sequence's advantage; "returns" is the score.
-        return adv[:, None] * mask_f, batch.scores[:, None] * mask_f  # [B] -> [B, T]
+        # Every token of a response shares its sequence's advantage; "returns" is the score (0 if unscored).
+        return adv[:, None] * mask_f, torch.nan_to_num(batch.scores, nan=0.0)[:, None] * mask_f  # [B] -> [B, T]
 
     estimator.__name__ = f"_{method}"
     estimator.__doc__ = f"Group-relative '{method}' advantage broadcast over the response."

@@ -3,7 +3,8 @@
 Shapes: B sequences, T response tokens, V vocabulary. `mask` is `[B, T]`, 1 on response
 tokens. Every reduction over tokens or sequences goes through `masked_aggregate`, so a loss
 computed on shards of a batch (one per learner) sums to the loss of the whole batch when
-each shard is given the batch-wide `normalizer`.
+each shard is given the batch-wide `normalizer` (a learner passes `Normalizers`, and each
+reduction takes the count of its own unit: tokens for a token mean, sequences otherwise).
 """
 
 from __future__ import annotations
@@ -35,11 +36,34 @@ class LossSpec:
     clip_high: float = 0.2
     aggregate: str = "token-mean"
     kl_coef: float = 0.001
-    kl_kind: str = "k3"
+    kl_kind: str = "k2"
     entropy_coef: float = 0.01
 
 
-def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:
+@dataclass(frozen=True)
+class Normalizers:
+    """The divisors of one minibatch's means for a learner holding a share of it: the whole
+    minibatch's valid tokens and sequences, each divided by the number of learners (DeepSpeed
+    averages the gradients over them). `masked_aggregate` takes the one its mode divides by."""
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, mask: Tensor, world_size: int = 1) -> Normalizers:
+        """From the whole minibatch's `[B, T]` loss mask.
+
+        >>> Normalizers.of(torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]]), world_size=2)
+        Normalizers(tokens=1.5, sequences=1.0)
+        """
+        tokens_per_seq = mask.sum(dim=-1)  # [B, T] -> [B]
+        return cls(float(tokens_per_seq.sum()) / world_size, float((tokens_per_seq > 0).sum()) / world_size)
+
+    def for_mode(self, mode: str) -> float:
+        return self.tokens if mode == "token-mean" else self.sequences
+
+
+def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float | Tensor | Normalizers | None = None) -> Tensor:
     """Reduce `values` `[B, T]` over the tokens where `mask` is 1 to a scalar.
 
     - token-mean: sum over all valid tokens / number of valid tokens
@@ -49,8 +73,10 @@ def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float 
     `normalizer` is the divisor of the outer mean (valid tokens for token-mean, sequences with
     at least one valid token otherwise). Left as None it is this batch's own count; a learner
     that holds one shard passes the whole batch's count, so the shards' results add up to the
-    unsharded result whatever the split.
+    unsharded result whatever the split. `Normalizers` give the count of this mode's unit.
     """
+    if isinstance(normalizer, Normalizers):
+        normalizer = normalizer.for_mode(mode)
     mask_f = mask.to(values.dtype)
     values = torch.where(mask.bool(), values, torch.zeros_like(values))  # NaN outside mask is ignored
     if mode == "token-mean":
@@ -87,10 +113,18 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # -> [B, T]
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating
-    KL Divergence", 2020): k1 = logp - ref, k2 = (logp - ref)^2 / 2,
-    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased and non-negative). Shapes kept."""
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k2") -> Tensor:
+    """Per-token KL estimators on samples of pi (Schulman, "Approximating KL Divergence", 2020),
+    shapes kept: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = r - 1 - log r with r = pi_ref / pi.
+
+    As values, k1 and k3 are unbiased estimates of KL(pi || pi_ref) (k3 is also non-negative); k2
+    is biased. As loss terms (gradient through logp, samples held fixed) they differ, which is
+    what a KL penalty in the loss uses:
+    - k1: E[grad logp] = 0, no gradient in expectation (the config refuses it as a penalty);
+    - k2: E[(logp - ref) grad logp] = grad KL(pi || pi_ref), the reverse KL the penalty names;
+    - k3: E[(1 - r) grad logp] = grad KL(pi_ref || pi), the forward KL (GRPO's choice).
+    tests/test_losses.py checks each against autograd on a full distribution.
+    """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -110,7 +144,7 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     level: str = "token",
     aggregate: str = "token-mean",
-    normalizer: float | Tensor | None = None,
+    normalizer: float | Tensor | Normalizers | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate objective.
 
@@ -119,7 +153,9 @@ def ppo_policy_loss(
     reduced by `aggregate`. Asymmetric clip (clip_high > clip_low) is DAPO's clip-higher.
     level="sequence": GSPO (Zheng et al. 2025, Eq. 5-7), s_i = exp(mean over the response of
     logp - behaviour) and the loss is the mean over sequences of -min(s_i A_i, clip(s_i) A_i),
-    A_i the sequence's advantage (`[B]`, or `[B, T]` constant over the response).
+    A_i the sequence's advantage (`[B]`, or `[B, T]` constant over the response). GSPO's objective
+    is a mean over sequences whatever `aggregate` says (which reduces token-level losses only), so
+    its weight against the entropy and KL terms does not change with response length.
 
     logprobs, behaviour_logprobs, mask: `[B, T]`; advantages `[B, T]` (or `[B]` for sequence).
     """
@@ -133,7 +169,8 @@ def ppo_policy_loss(
         seq_adv = advantages if advantages.dim() == 1 else masked_row_mean(advantages, mask)
         # Each sequence is one unit: [B] -> [B, 1], reduced as a mean over sequences.
         unit_log_ratio, unit_adv = seq_log_ratio[:, None], seq_adv[:, None]
-        unit_mask, mode = (tokens > 0)[:, None], "token-mean"
+        # "seq-mean-token-sum" over one-token rows: the sum over sequences / sequences
+        unit_mask, mode = (tokens > 0)[:, None], "seq-mean-token-sum"
     else:
         raise ValueError(f"unknown policy loss level {level!r}; known: token, sequence")
 

@@ -50,6 +50,11 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(scored) / len(scored) if scored else None
 
 
+def _passes(combined: float | None, threshold: float) -> bool:
+    """A sample passes when its combined reward reaches `threshold`; an unscored one does not."""
+    return combined is not None and combined >= threshold - 1e-9
+
+
 def evaluate_problems(
     problems: Sequence[Problem],
     greedy: Greedy,
@@ -78,7 +83,7 @@ def evaluate_problems(
     prompts, fields = [p.prompt for p in problems], reward_fields(problems)
     texts = greedy(prompts)
     scores = score_terms(prompts, texts, fields)
-    passed = [c >= threshold - 1e-9 for c in scores["combined"]]
+    passed = [_passes(c, threshold) for c in scores["combined"]]
     terms = [t for t in scores if t != "combined"]
     summary = {"problems": len(problems), "reward_mean": _mean(scores["combined"])}
     summary |= {f"reward_mean/{t}": _mean(scores[t]) for t in terms}
@@ -104,7 +109,7 @@ def evaluate_problems(
         }
         combined = score_terms(flat_prompts, [t for group in samples for t in group], flat_fields)["combined"]
         for i, row in enumerate(rows):
-            row["samples_passed"] = sum(c >= threshold - 1e-9 for c in combined[i * k : (i + 1) * k])
+            row["samples_passed"] = sum(_passes(c, threshold) for c in combined[i * k : (i + 1) * k])
         summary |= {"k": k, "pass_at_k": sum(row["samples_passed"] > 0 for row in rows) / len(rows)}
         summary["sampled_pass_rate"] = sum(row["samples_passed"] for row in rows) / (k * len(rows))
     return summary, rows

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pipelines.algos.sampling import SamplingSpec
+
 
 def _on_gpu() -> bool:
     return torch.cuda.is_available()
@@ -61,11 +63,33 @@ def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
     return [out.outputs[0].text for out in outputs]
 
 
-def sample(llm, prompts: Sequence[str], n: int, temperature: float, max_tokens: int, seed: int) -> list[list[str]]:
-    """`n` sampled continuations of each prompt (pure temperature sampling), seeded."""
-    from vllm import SamplingParams
+def sampling_params(
+    n: int, sampling: SamplingSpec, max_tokens: int, seeds: Sequence[int] | None, prompts: int, logprobs: int | None = None
+) -> list:
+    """One `SamplingParams` per prompt, each with its own seed (`seeds[i]`, e.g. from
+    `pipelines.algos.sampling.prompt_seeds`): vLLM seeds sample j of a request `seed + j`, so a
+    seed shared by every prompt would give sample j of each the same random numbers."""
+    from vllm import SamplingParams  # heavy: only where an engine exists
 
-    params = SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
+    if seeds is not None and len(seeds) != prompts:
+        raise ValueError(f"{len(seeds)} sampling seeds for {prompts} prompts: give one per prompt")
+    return [
+        SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            seed=None if seeds is None else int(seeds[i]),
+        )
+        for i in range(prompts)
+    ]
+
+
+def sample(llm, prompts: Sequence[str], n: int, temperature: float, max_tokens: int, seeds: Sequence[int]) -> list[list[str]]:
+    """`n` sampled continuations of each prompt (pure temperature sampling), one seed per prompt."""
+    params = sampling_params(n, SamplingSpec(temperature=temperature), max_tokens, seeds, len(prompts))
     return [[s.text for s in out.outputs] for out in llm.generate(list(prompts), params, use_tqdm=False)]
 
 

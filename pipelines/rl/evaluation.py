@@ -9,6 +9,7 @@ from pathlib import Path
 import ray
 
 from actors.core.reward import RewardScorer
+from pipelines.algos.sampling import EVALUATION, SamplingSpec, prompt_seeds
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import eval_max_tokens, load_task
 from pipelines.data.evaluate import evaluate_problems, write_rows
@@ -24,6 +25,11 @@ def _grouped(texts, prompt_index, prompts: int) -> list[list[str]]:
     return groups
 
 
+def eval_seeds(cfg: RaypoConfig, prompts) -> list[int]:
+    """pass@k's sampling seeds, one per held-out prompt: the same in training and `raypo eval`."""
+    return prompt_seeds(cfg.seed, 0, len(prompts), EVALUATION)
+
+
 def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> tuple[dict, list[dict]]:
     """`evaluate_problems` on the first rollout engine (current weights) and the reward actor."""
     engine, max_tokens, k = roles.rollouts[0], eval_max_tokens(cfg, problems), cfg.eval.samples
@@ -32,7 +38,8 @@ def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem])
         return ray.get(engine.greedy.remote(prompts, max_tokens))
 
     def sample(prompts, n):
-        batch = ray.get(engine.generate.remote(prompts, n, cfg.eval.temperature, 1.0, max_tokens, cfg.seed))
+        sampling = SamplingSpec(temperature=cfg.eval.temperature)
+        batch = ray.get(engine.generate.remote(prompts, n, sampling, max_tokens, eval_seeds(cfg, prompts)))
         return _grouped(batch["response_text"], batch["prompt_index"], len(prompts))
 
     def score_terms(prompts, completions, fields):
@@ -54,7 +61,7 @@ def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path
         return scorer.scores_by_term(prompts, completions, **fields)
 
     def sample(prompts, n):
-        return vllm_engine.sample(llm, prompts, n, cfg.eval.temperature, max_tokens, cfg.seed)
+        return vllm_engine.sample(llm, prompts, n, cfg.eval.temperature, max_tokens, eval_seeds(cfg, prompts))
 
     summary, rows = evaluate_problems(
         problems, lambda ps: vllm_engine.greedy(llm, ps, max_tokens), score_terms, cfg.pass_threshold, sample, cfg.eval.samples

@@ -16,9 +16,12 @@ def prepare_experience(
 ) -> tuple[dict[str, np.ndarray], dict]:
     """The learners' targets for a rollout batch and its summary stats.
 
-    targets: `advantages` `[N, T]`; `reference_logprobs` `[N, T]` when given (the KL term);
-    `returns` and `old_values` `[N, T]` when `values` (a critic's) are given.
+    targets: `advantages` `[N, T]`; `scored` `[N]` (False where no reward scored the sample: NaN
+    in `scores`; the learners leave those out); `reference_logprobs` `[N, T]` when given (the KL
+    term); `returns` and `old_values` `[N, T]` when `values` (a critic's) are given.
+    stats: `reward_mean`/`_std` over the scored samples, `reward_unscored` (how many were not).
     """
+    scored = np.isfinite(scores)
     mask = torch.from_numpy(batch["response_mask"])
     inputs = AdvantageBatch(
         scores=torch.from_numpy(scores).double(),
@@ -26,23 +29,26 @@ def prepare_experience(
         values=None if values is None else torch.from_numpy(values).double(),
     )
     adv, returns = ADVANTAGES.get(advantage)(inputs, AdvantageParams(gamma, lam, group_size))
-    targets = {"advantages": adv.float().numpy()}
+    targets = {"advantages": adv.float().numpy(), "scored": scored}
     if reference_logprobs is not None:
         targets["reference_logprobs"] = reference_logprobs
     if values is not None:
         targets["returns"] = returns.float().numpy()
         targets["old_values"] = values
     lengths = batch["response_mask"].sum(axis=1)
-    valid = adv.float()[mask.bool()]
+    valid = adv.float()[mask.bool() & torch.from_numpy(scored)[:, None]]
+    rewards = scores[scored]
     stats = {
-        "reward_mean": float(scores.mean()),
-        "reward_std": float(scores.std()),
+        "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "reward_std": float(rewards.std()) if rewards.size else float("nan"),
+        "reward_unscored": int((~scored).sum()),
+        "samples": int(scored.size),
         "advantage_mean": float(valid.mean()) if valid.numel() else 0.0,
         "advantage_std": float(valid.std()) if valid.numel() > 1 else 0.0,
         "response_length": float(lengths.mean()),
         "response_tokens": int(lengths.sum()),
         "truncated_fraction": float(1.0 - batch["finished"].mean()),
-        "reward_all_zero": bool(np.all(scores <= reward_floor + 1e-6)),
+        "reward_all_zero": bool(rewards.size and np.all(rewards <= reward_floor + 1e-6)),
     }
     return targets, stats
 

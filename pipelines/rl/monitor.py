@@ -22,7 +22,8 @@ class Alerts:
     - reward falling: the step's reward is below the mean of the previous `reward_window` steps by
       more than `reward_drop` (10%) of the reward's range, on `reward_drop_steps` (5) steps in a row;
     - all rewards at the bottom of the range (the reward model may be broken: check its health);
-    - a non-finite loss (the learner skipped that update).
+    - a non-finite loss (the learner skipped that update);
+    - a step whose every sample no reward scored (skipped: nothing to learn from).
     """
 
     def __init__(self, cfg: MonitorConfig, reward_span: float = 2.0):
@@ -38,7 +39,9 @@ class Alerts:
             alerts.append(f"grad norm {m['grad_norm']:.3f} > {cfg.grad_norm_alert}")
         if m.get("kl", 0.0) > cfg.kl_alert:
             alerts.append(f"KL to reference {m['kl']:.4f} > {cfg.kl_alert}")
-        if "reward_mean" in m:  # RL's reward (DPO, which samples nothing, has none)
+        if m.get("update_skipped"):
+            alerts.append("unscored step: no reward scored any sample (every term returned None); the update was skipped")
+        elif "reward_mean" in m:  # RL's reward (DPO, which samples nothing, has none)
             alerts += self._reward_trend(m["reward_mean"])
         if m.get("reward_all_zero"):
             alerts.append("every reward of the step is at the bottom of its range: check the reward model's health")

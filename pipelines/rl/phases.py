@@ -12,10 +12,11 @@ import numpy as np
 import ray
 
 from pipelines.algos.losses import LossSpec
+from pipelines.algos.sampling import prompt_seeds
 from pipelines.algos.schedules import clip_eps, group_size
 from pipelines.config import RaypoConfig
 from pipelines.data.tasks import Problem, reward_fields
-from pipelines.rl.roles import Roles
+from pipelines.rl.roles import Roles, sampling_spec
 
 
 class Phases:
@@ -65,17 +66,17 @@ def prompts_at(cfg: RaypoConfig, step: int) -> int:
 
 
 def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int):
-    """All prompts of the step, split over the rollout actors; one batch ref back."""
+    """All prompts of the step, split over the rollout actors, each prompt with its own sampling
+    seed (from the run seed, the step and its index in the step); one batch ref back."""
     chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
-    inf = cfg.inference
+    seeds = prompt_seeds(cfg.seed, step, len(problems))
     parts = [
         actor.generate.remote(
             [problems[i].prompt for i in idx],
             group_size_at(cfg, step),
-            inf.temperature,
-            inf.top_p,
-            inf.max_tokens,
-            cfg.seed * 100_003 + step,
+            sampling_spec(cfg),
+            cfg.inference.max_tokens,
+            [seeds[i] for i in idx],
         )
         for actor, idx in zip(roles.rollouts, chunks, strict=False)
     ]
@@ -135,8 +136,11 @@ def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, st
     policy (and the critic, if there is one, alongside) on the minibatches the buffer serves,
     sync weights. Returns the step's metrics."""
     loss = policy_loss_spec(cfg, step)
-    metrics = store_learn_sync(roles, cfg, step, batch, targets, phases, "train_step", loss)
-    return {"group_size": group_size_at(cfg, step), **ray.get(stats), **metrics, "clip_eps": loss.clip_low}
+    summary = {"group_size": group_size_at(cfg, step), **ray.get(stats), "clip_eps": loss.clip_low}
+    if summary["reward_unscored"] == summary["samples"]:
+        # Nothing to learn from; the weights stay as they are (the alerts print a warning).
+        return {**summary, "update_skipped": 1, **phases.times}
+    return {**summary, **store_learn_sync(roles, cfg, step, batch, targets, phases, "train_step", loss)}
 
 
 def store_learn_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, phases: Phases, update: str, spec) -> dict:

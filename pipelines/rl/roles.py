@@ -23,6 +23,7 @@ from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from actors.value import ValueActor
 from actors.weight_sync import WeightSync, make_weight_sync
+from pipelines.algos.sampling import SamplingSpec
 from pipelines.config import RaypoConfig
 from pipelines.data.preferences import encode_pairs_for
 from pipelines.rl.experience import concat_batches, prepare_experience
@@ -105,6 +106,12 @@ def check_fits(cfg: RaypoConfig, cluster: dict[str, float]) -> None:
         )
 
 
+def sampling_spec(cfg: RaypoConfig) -> SamplingSpec:
+    """How the rollout samples (`inference`), which is also the policy the learners train."""
+    inf = cfg.inference
+    return SamplingSpec(temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k)
+
+
 def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
     return LearnerSpec(
         model_dir=str(model_dir),
@@ -114,7 +121,7 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
         zero_stage=cfg.resource.zero_stage,
         bf16=cfg.model.dtype == "bfloat16",
         gradient_checkpointing=cfg.model.gradient_checkpointing,
-        temperature=cfg.inference.temperature,
+        sampling=sampling_spec(cfg),
         seed=cfg.seed,
         use_gpu=cfg.resource.use_gpu,
     )
@@ -147,8 +154,9 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
     buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)
     reference = None
     if cfg.algo.uses_reference:
+        # in the learner's dtype (its bf16 mode, else float32), so policy and reference agree at step 0
         reference = ReferenceActor.options(num_cpus=ROLE_CPUS["reference"]).remote(
-            str(model_dir), cfg.inference.temperature, threads
+            str(model_dir), cfg.inference.temperature, threads, "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
         )
     value = None
     if cfg.algo.uses_critic:

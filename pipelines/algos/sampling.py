@@ -1,0 +1,122 @@
+"""The sampling contract between the rollout engines and the learners.
+
+The policy that PPO/GRPO/GSPO optimise is the distribution the rollout actually samples from:
+softmax(logits / temperature) truncated to the top-k tokens, then to the top-p nucleus, and
+renormalised (vLLM's order and rule, `vllm/v1/sample/ops/topk_topp_sampler.py`). The engines
+record the log-probs of that truncated distribution (`processed_logprobs`); the learners compute
+the same one here, so on fresh samples the ratio pi / pi_old is 1 token by token. Computed with the
+full softmax instead, the ratio would be the nucleus mass Z <= 1, and every token with a negative
+advantage would sit in the clipped branch whenever Z < 1 - eps.
+
+The truncation set is a step function of the logits: no gradient flows through which tokens are
+kept, only through the renormalised probabilities of the kept ones. The sampled token is always
+kept, so a token the engine sampled never gets log-prob -inf here (float rounding between
+engine and learner, or a later minibatch's moved weights, can push it just outside).
+
+Per-prompt seeds: vLLM seeds sample j of a request `seed + j`, so one seed for every prompt of a
+call would give sample j of each prompt the same random numbers; `prompt_seeds` gives each prompt
+of each step its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How the rollout samples: temperature, then top-k (0 = off), then top-p (1 = off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+def removed_tokens(logits: Tensor, spec: SamplingSpec, keep_ids: Tensor | None = None) -> Tensor | None:
+    """Where the sampler drops a token: `[..., V]` bool, True outside the top-k / top-p set of
+    `logits` (already divided by the temperature); None when `spec` truncates nothing.
+
+    vLLM's rule: top-k keeps every token whose logit is at least the k-th largest; top-p then sorts
+    the remaining probabilities ascending and drops each token whose cumulative mass, with all the
+    smaller ones, is at most 1 - p (the largest is always kept). `keep_ids` `[...]` are kept too.
+
+    >>> logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    >>> removed_tokens(logits, SamplingSpec(top_p=0.75)).tolist()
+    [False, False, True, True]
+    >>> removed_tokens(logits, SamplingSpec(top_k=3, top_p=0.9), keep_ids=torch.tensor(3)).tolist()
+    [False, False, False, False]
+    """
+    if not spec.truncates:
+        return None
+    with torch.no_grad():
+        logits = logits.float()
+        removed = torch.zeros_like(logits, dtype=torch.bool)
+        vocab = logits.shape[-1]
+        if 0 < spec.top_k < vocab:
+            kth = logits.topk(spec.top_k, dim=-1).values[..., -1:]  # [..., 1]
+            removed |= logits < kth
+        if spec.top_p < 1.0:
+            kept_logits = logits.masked_fill(removed, float("-inf"))
+            ascending, order = kept_logits.sort(dim=-1)  # [..., V] each
+            mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = mass_below <= 1 - spec.top_p
+            drop_sorted[..., -1] = False  # at least one token
+            removed |= torch.zeros_like(removed).scatter(-1, order, drop_sorted)
+        if keep_ids is not None:
+            removed.scatter_(-1, keep_ids.unsqueeze(-1), False)
+    return removed
+
+
+def sampled_log_softmax(logits: Tensor, spec: SamplingSpec, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs `[..., V]` of the sampling distribution for `logits` `[..., V]` (divided by the
+    temperature already), -inf outside its top-k / top-p set (`token_ids` `[...]` always in it),
+    and that removed-token mask (None without truncation)."""
+    removed = removed_tokens(logits, spec, token_ids)
+    logits = logits.float()
+    if removed is not None:
+        logits = logits.masked_fill(removed, float("-inf"))
+    return torch.log_softmax(logits, dim=-1), removed
+
+
+def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
+    """Log-prob of each sampled token and the entropy at each position, both `[B, T]`, under the
+    sampling distribution of `logits` `[B, T, V]` (temperature applied) truncated as `spec` says.
+
+    >>> logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    >>> logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]), SamplingSpec(top_p=0.75))
+    >>> round(logp.exp().item(), 4), round(entropy.item(), 4)  # 0.3 / 0.8 over the nucleus {0, 1}
+    (0.375, 0.6616)
+    """
+    logp, removed = sampled_log_softmax(logits, spec, token_ids)  # [B, T, V]
+    token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
+    # Dropped tokens have p = 0 and log p = -inf: their terms of -sum p log p are 0, written so that
+    # neither the value nor its gradient meets 0 * inf.
+    finite_logp = logp if removed is None else logp.masked_fill(removed, 0.0)
+    entropy = -(logp.exp() * finite_logp).sum(dim=-1)  # [B, T, V] -> [B, T]
+    return token_logp, entropy
+
+
+ROLLOUT, EVALUATION = 0, 1  # the two uses of sampling seeds, each its own family of streams
+
+
+def prompt_seeds(run_seed: int, step: int, prompts: int, purpose: int = ROLLOUT) -> list[int]:
+    """One sampling seed per prompt of a step, derived from (run seed, purpose, step, prompt
+    index) with `np.random.SeedSequence`: reproducible, and no two prompts or steps share a random stream
+    (vLLM gives sample j of a prompt `seed + j`; 62-bit seeds make those ranges collide with
+    probability ~ samples / 2**62).
+
+    >>> a = prompt_seeds(0, 1, 3)
+    >>> a == prompt_seeds(0, 1, 3), len(set(a + prompt_seeds(0, 2, 3) + prompt_seeds(1, 1, 3)))
+    (True, 9)
+    """
+    entropy = [run_seed % 2**64, purpose, step]  # SeedSequence takes non-negative integers
+    children = np.random.SeedSequence(entropy).spawn(prompts)
+    return [int(child.generate_state(1, dtype=np.uint64)[0] >> np.uint64(2)) for child in children]
