@@ -27,7 +27,8 @@ class ExperienceBuffer:
 
     def minibatches(self, step: int, size: int, seed: int, epochs: int = 1, added: dict | None = None) -> list[ray.ObjectRef]:
         """Refs to step `step`'s minibatches, in training order: its rows shuffled with `seed`, cut
-        into minibatches of `size` rows, the same order again for each of `epochs` passes. Each
+        into equal minibatches of at most `size` rows (`actors.core.minibatch.minibatch_rows`), the
+        same order again for each of `epochs` passes. Each
         minibatch is put in the object store once; learners fetch them one at a time.
         `added`: pass the ref `add` returned, so that when the step could not be stored (its reward
         failed, say) this call fails with that cause instead of not finding the step."""

@@ -331,7 +331,9 @@ class TrainingConfig(Strict):
     lr: float = Field(3e-5, gt=0, description="learning rate")
     warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warmup")
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm")
-    minibatch_size: int = Field(64, ge=1, description="samples per optimizer step")
+    minibatch_size: int = Field(
+        64, ge=1, description="most samples per optimizer step (a step's rows are cut into equal minibatches of at most this)"
+    )
     epochs: int = Field(1, ge=1, description="passes over each step's experience")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
     spill_experience: bool = Field(False, description="write each step's experience to runs/<name>/experience/*.parquet")

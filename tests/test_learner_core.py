@@ -187,3 +187,24 @@ def test_a_bf16_learner_and_its_reference_start_at_zero_dpo_margin(tiny_model):
     (margin, gap), (_, float32_gap) = start("bfloat16"), start("float32")
     assert margin == 0.0 and gap == 0.0, (margin, gap)
     assert float32_gap > 1e-3, float32_gap  # the mismatch this fixes is visible
+
+
+def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model):
+    """The reference is the initial policy, never truncated: the KL term compares it with the
+    policy's full softmax, so at step 0 the penalty and the `kl` metric are 0 under top-k/top-p too
+    (compared with the truncated log-probs, every token would show log 1/Z > 0)."""
+    from actors.core.reference import ReferenceScorer
+    from pipelines.algos.sampling import SamplingSpec
+
+    sampling = SamplingSpec(top_k=3, top_p=0.9)
+    learner = Learner(LearnerSpec(str(tiny_model[0]), lr=0.0, sampling=sampling), master_port=29611)
+    batch = _batch()
+    truncated = learner.logprobs(batch)
+    reference = ReferenceScorer(str(tiny_model[0])).logprobs(batch)
+    assert (truncated - reference).max() > 1e-3  # the truncation matters for this batch
+    step = {**batch, "behaviour_logprobs": truncated, "reference_logprobs": reference}
+    step["advantages"] = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
+    for kind in ("k2", "k3"):
+        metrics = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_kind=kind, kl_coef=0.1))
+        assert abs(metrics["kl"]) < 1e-6 and abs(metrics["kl_loss"]) < 1e-6, (kind, metrics)
+        assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # ratio 1: the sampling contract

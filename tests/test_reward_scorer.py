@@ -57,6 +57,16 @@ def test_a_sample_no_term_scores_is_unscored_not_zero():
     assert only_exact.scores_by_term(["p"], ["2"], answer=[None])["combined"] == [None]
 
 
+@pytest.mark.parametrize("bad", ["float('nan')", "float('inf')"])
+def test_a_reward_that_returns_a_non_finite_value_is_named(tmp_path, bad):
+    """NaN or inf from a reward is an error naming it (None is how a reward says "not scored"):
+    inf would turn its whole group's advantages into NaN."""
+    path = tmp_path / "odd.py"
+    path.write_text(f"def reward(prompts, completions, **fields):\n    return [1.0, {bad}]\n")
+    with pytest.raises(ValueError, match=r"odd.py:reward' returned (nan|inf) at index 1; return a finite float, or None"):
+        RewardScorer([(f"{path}:reward", 1.0)]).score(["p", "q"], ["c", "d"])
+
+
 def test_unreachable_reward_url_fails_naming_it_after_retries():
     with __import__("socket").socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

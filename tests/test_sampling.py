@@ -66,13 +66,23 @@ def test_log_softmax_equals_vllms_processed_logprobs(top_k, top_p):
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
+def test_the_mask_is_the_same_computed_in_chunks():
+    """The learner cuts positions into chunks (memory); the mask does not depend on the cut."""
+    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(1)) * 2
+    spec = SamplingSpec(top_k=10, top_p=0.8)
+    whole = removed_tokens(logits, spec)
+    assert torch.equal(removed_tokens(logits, spec, chunk_elements=120), whole)  # 2 positions per chunk
+    assert torch.equal(removed_tokens(logits, spec, chunk_elements=1), whole)
+
+
 def test_the_sampled_token_is_always_kept():
     """A token just outside the learner's nucleus (rounding, or weights moved by an earlier
     minibatch) keeps a finite log-prob: its renormalised probability over nucleus + itself."""
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
     spec = SamplingSpec(top_p=0.75)
-    logp, _ = token_logprobs_and_entropy(logits, torch.tensor([[3]]), spec)
+    logp, full, _ = token_logprobs_and_entropy(logits, torch.tensor([[3]]), spec)
     assert logp.item() == pytest.approx(np.log(0.05 / 0.85), abs=1e-6)
+    assert full.item() == pytest.approx(np.log(0.05), abs=1e-6)
 
 
 def test_truncated_entropy_and_its_gradient_are_those_of_the_renormalised_distribution():
@@ -80,7 +90,7 @@ def test_truncated_entropy_and_its_gradient_are_those_of_the_renormalised_distri
     kept logits alone; the dropped logits get no gradient."""
     raw = torch.tensor([[[2.0, 1.0, 0.0, -1.0, -3.0]]], requires_grad=True)
     spec = SamplingSpec(top_k=3)
-    logp, entropy = token_logprobs_and_entropy(raw, torch.tensor([[0]]), spec)
+    logp, _, entropy = token_logprobs_and_entropy(raw, torch.tensor([[0]]), spec)
     (entropy.sum() + logp.sum()).backward()
 
     kept = raw.detach()[..., :3].clone().requires_grad_(True)
@@ -95,9 +105,10 @@ def test_truncated_entropy_and_its_gradient_are_those_of_the_renormalised_distri
 def test_no_truncation_is_the_plain_softmax():
     logits = torch.randn(3, 4, 7)
     ids = torch.randint(0, 7, (3, 4))
-    logp, entropy = token_logprobs_and_entropy(logits, ids, SamplingSpec())
+    logp, full_logp, entropy = token_logprobs_and_entropy(logits, ids, SamplingSpec())
     full = logits.log_softmax(-1)
     torch.testing.assert_close(logp, full.gather(-1, ids[..., None])[..., 0])
+    assert full_logp is logp
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1))
 
 

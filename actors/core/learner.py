@@ -112,12 +112,13 @@ class Learner:
         in the sampling distribution (temperature, top-k, top-p) the rollout draws from."""
         self.engine.eval()
         inputs = sequence_tensors(batch, np.arange(len(batch["response_ids"])))
-        logp, _ = self._policy(inputs)
+        logp, _, _ = self._policy(inputs)
         return (logp * inputs["response_mask"]).numpy().astype(np.float32)
 
-    def _policy(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of each response token and the entropy at each position, `[n, T]` each, under
-        the distribution the rollout samples from (pipelines/algos/sampling.py)."""
+    def _policy(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[n, T]` each: the log-prob of each response token under the distribution the rollout
+        samples from, under the full softmax (for the KL to the untruncated reference), and the
+        sampling distribution's entropy at each position (pipelines/algos/sampling.py)."""
         sampling = self.spec.sampling
         logits = response_logits(self.engine, inputs, sampling.temperature)  # [n, T, V]
         return token_logprobs_and_entropy(logits, inputs["response_ids"], sampling)
@@ -154,7 +155,7 @@ class Learner:
         mine = self._my_rows(np.arange(len(batch["response_ids"])))
         inputs = sequence_tensors(batch, mine)
         mask = whole_mask[mine]
-        logp, entropy_per_token = self._policy(inputs)  # [n, T] each
+        logp, full_logp, entropy_per_token = self._policy(inputs)  # [n, T] each
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
         pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
@@ -172,12 +173,14 @@ class Learner:
         total = total - spec.entropy_coef * entropy
         kl_term, kl = torch.zeros(()), torch.zeros(())
         if "reference_logprobs" in batch:
+            # Both sides full softmax at the sampling temperature (the reference is never truncated),
+            # so the term is 0 exactly where the policy equals the reference, at any top-k / top-p.
             ref = torch.from_numpy(batch["reference_logprobs"][mine])
-            kl_term = masked_aggregate(kl_penalty(logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
+            kl_term = masked_aggregate(kl_penalty(full_logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl_term
-            with torch.no_grad():  # the value to watch: k3, an unbiased estimate of KL(pi || pi_ref), per token
-                kl = masked_aggregate(kl_penalty(logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
+            with torch.no_grad():  # the value to watch: k3 per token (unbiased for KL(pi || pi_ref) untruncated)
+                kl = masked_aggregate(kl_penalty(full_logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
         local = {
             "loss": total.item(),
             "pg_loss": pg_loss.item(),

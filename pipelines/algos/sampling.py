@@ -40,13 +40,17 @@ class SamplingSpec:
         return self.top_p < 1.0 or self.top_k > 0
 
 
-def removed_tokens(logits: Tensor, spec: SamplingSpec, keep_ids: Tensor | None = None) -> Tensor | None:
+def removed_tokens(
+    logits: Tensor, spec: SamplingSpec, keep_ids: Tensor | None = None, chunk_elements: int = 1 << 24
+) -> Tensor | None:
     """Where the sampler drops a token: `[..., V]` bool, True outside the top-k / top-p set of
     `logits` (already divided by the temperature); None when `spec` truncates nothing.
 
-    vLLM's rule: top-k keeps every token whose logit is at least the k-th largest; top-p then sorts
-    the remaining probabilities ascending and drops each token whose cumulative mass, with all the
-    smaller ones, is at most 1 - p (the largest is always kept). `keep_ids` `[...]` are kept too.
+    vLLM's rule (its PyTorch path, the one CPU engines run): top-k keeps every token whose logit is
+    at least the k-th largest; top-p then sorts the remaining probabilities ascending and drops
+    each token whose cumulative mass, with all the smaller ones, is at most 1 - p in float32 (the
+    largest is always kept). `keep_ids` `[...]` are kept too. Positions are cut into chunks of
+    about `chunk_elements` logits, so the sort's copies stay small next to the logits.
 
     >>> logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     >>> removed_tokens(logits, SamplingSpec(top_p=0.75)).tolist()
@@ -56,22 +60,30 @@ def removed_tokens(logits: Tensor, spec: SamplingSpec, keep_ids: Tensor | None =
     """
     if not spec.truncates:
         return None
-    with torch.no_grad():
-        logits = logits.float()
-        removed = torch.zeros_like(logits, dtype=torch.bool)
-        vocab = logits.shape[-1]
-        if 0 < spec.top_k < vocab:
-            kth = logits.topk(spec.top_k, dim=-1).values[..., -1:]  # [..., 1]
-            removed |= logits < kth
-        if spec.top_p < 1.0:
-            kept_logits = logits.masked_fill(removed, float("-inf"))
-            ascending, order = kept_logits.sort(dim=-1)  # [..., V] each
-            mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = mass_below <= 1 - spec.top_p
-            drop_sorted[..., -1] = False  # at least one token
-            removed |= torch.zeros_like(removed).scatter(-1, order, drop_sorted)
-        if keep_ids is not None:
-            removed.scatter_(-1, keep_ids.unsqueeze(-1), False)
+    vocab = logits.shape[-1]
+    flat = logits.detach().reshape(-1, vocab)  # [..., V] -> [P, V]
+    rows = max(1, chunk_elements // vocab)
+    removed = torch.cat([_removed_rows(flat[i : i + rows], spec) for i in range(0, len(flat), rows)])
+    removed = removed.reshape(logits.shape)
+    if keep_ids is not None:
+        removed.scatter_(-1, keep_ids.unsqueeze(-1), False)
+    return removed
+
+
+@torch.no_grad()
+def _removed_rows(logits: Tensor, spec: SamplingSpec) -> Tensor:
+    """`removed_tokens` for `[P, V]` logits."""
+    logits = logits.float()
+    removed = torch.zeros_like(logits, dtype=torch.bool)
+    if 0 < spec.top_k < logits.shape[-1]:
+        kth = logits.topk(spec.top_k, dim=-1).values[..., -1:]  # [P, 1]
+        removed |= logits < kth
+    if spec.top_p < 1.0:
+        ascending, order = logits.masked_fill(removed, float("-inf")).sort(dim=-1)  # [P, V] each
+        mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = mass_below <= 1 - torch.tensor(spec.top_p, dtype=torch.float32)  # vLLM's float32 threshold
+        drop_sorted[..., -1] = False  # at least one token
+        removed |= torch.zeros_like(removed).scatter(-1, order, drop_sorted)
     return removed
 
 
@@ -86,22 +98,27 @@ def sampled_log_softmax(logits: Tensor, spec: SamplingSpec, token_ids: Tensor | 
     return torch.log_softmax(logits, dim=-1), removed
 
 
-def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
-    """Log-prob of each sampled token and the entropy at each position, both `[B, T]`, under the
-    sampling distribution of `logits` `[B, T, V]` (temperature applied) truncated as `spec` says.
+def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: SamplingSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """For `logits` `[B, T, V]` (temperature applied) and the sampled `token_ids` `[B, T]`, each
+    `[B, T]`: the sampled token's log-prob under the sampling distribution (truncated as `spec`
+    says: the policy's ratio), its log-prob under the full softmax (what a reference model, which
+    is not truncated, is compared with in a KL term), and the sampling distribution's entropy.
 
     >>> logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
-    >>> logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]), SamplingSpec(top_p=0.75))
-    >>> round(logp.exp().item(), 4), round(entropy.item(), 4)  # 0.3 / 0.8 over the nucleus {0, 1}
-    (0.375, 0.6616)
+    >>> logp, full, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]), SamplingSpec(top_p=0.75))
+    >>> round(logp.exp().item(), 4), round(full.exp().item(), 4), round(entropy.item(), 4)  # 0.3 / 0.8 over {0, 1}
+    (0.375, 0.3, 0.6616)
     """
     logp, removed = sampled_log_softmax(logits, spec, token_ids)  # [B, T, V]
     token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
+    full_logp = token_logp
+    if removed is not None:
+        full_logp = logits.float().log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
     # Dropped tokens have p = 0 and log p = -inf: their terms of -sum p log p are 0, written so that
     # neither the value nor its gradient meets 0 * inf.
     finite_logp = logp if removed is None else logp.masked_fill(removed, 0.0)
     entropy = -(logp.exp() * finite_logp).sum(dim=-1)  # [B, T, V] -> [B, T]
-    return token_logp, entropy
+    return token_logp, full_logp, entropy
 
 
 ROLLOUT, EVALUATION = 0, 1  # the two uses of sampling seeds, each its own family of streams

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -106,4 +107,6 @@ def score(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], name
     for i, value in enumerate(out):
         if value is not None and not isinstance(value, (int, float)):
             raise TypeError(f"reward {name!r} returned {type(value).__name__} at index {i}; expected float or None")
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"reward {name!r} returned {value} at index {i}; return a finite float, or None for 'not scored'")
     return [None if v is None else float(v) for v in out]

@@ -39,8 +39,8 @@ def prepare_experience(
     valid = adv.float()[mask.bool() & torch.from_numpy(scored)[:, None]]
     rewards = scores[scored]
     stats = {
-        "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "reward_std": float(rewards.std()) if rewards.size else float("nan"),
+        "reward_mean": float(rewards.mean()) if rewards.size else None,  # None: no sample scored (JSON null)
+        "reward_std": float(rewards.std()) if rewards.size else None,
         "reward_unscored": int((~scored).sum()),
         "samples": int(scored.size),
         "advantage_mean": float(valid.mean()) if valid.numel() else 0.0,

@@ -114,8 +114,9 @@ class Sinks:
 
         # RL's mean reward; DPO's mean implicit reward margin (chosen minus rejected)
         key = "reward_mean" if "reward_mean" in self.history[0] else "reward_margin"
-        steps = [m["step"] for m in self.history]
-        rewards = [m[key] for m in self.history]
+        scored = [m for m in self.history if m.get(key) is not None]  # a step no reward scored has none
+        steps = [m["step"] for m in scored]
+        rewards = [m[key] for m in scored]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, rewards, label=key.replace("_", " "), alpha=0.5)
         if len(rewards) >= 5:

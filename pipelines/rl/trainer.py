@@ -124,7 +124,7 @@ class Trainer:
                 sinks.write(metrics)
                 if self.on_metrics:
                     self.on_metrics(metrics)
-                bar.set_postfix({k: f"{metrics[k]:.4g}" for k in PROGRESS_KEYS if k in metrics})
+                bar.set_postfix({k: f"{metrics[k]:.4g}" for k in PROGRESS_KEYS if metrics.get(k) is not None})
                 bar.update()
                 every = cfg.training.save_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
