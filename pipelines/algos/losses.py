@@ -103,14 +103,15 @@ def logprobs_from_logits(logits: Tensor, token_ids: Tensor) -> Tensor:
     return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical distribution at each position: `[B, T, V]` -> `[B, T]`.
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position from its log-probs (a
+    `log_softmax`): `[B, T, V]` -> `[B, T]`, H = -sum p log p.
 
-    H = logsumexp(z) - sum softmax(z) * z, which stays finite for very negative logits.
+    Tokens with log-prob -inf (outside a top-k / top-p set) have p = 0 and add 0; their log-prob
+    is replaced by 0 in the product so that neither the value nor the gradient meets 0 * inf.
     """
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)  # [B, T, V]
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # -> [B, T]
+    finite_logp = logp.masked_fill(logp == float("-inf"), 0.0)
+    return -(logp.exp() * finite_logp).sum(dim=-1)  # [B, T, V] -> [B, T]
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k2") -> Tensor:

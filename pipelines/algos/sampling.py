@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipelines.algos.losses import entropy_from_logprobs, logprobs_from_logits
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
@@ -111,14 +113,8 @@ def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: Sampling
     """
     logp, removed = sampled_log_softmax(logits, spec, token_ids)  # [B, T, V]
     token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
-    full_logp = token_logp
-    if removed is not None:
-        full_logp = logits.float().log_softmax(dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
-    # Dropped tokens have p = 0 and log p = -inf: their terms of -sum p log p are 0, written so that
-    # neither the value nor its gradient meets 0 * inf.
-    finite_logp = logp if removed is None else logp.masked_fill(removed, 0.0)
-    entropy = -(logp.exp() * finite_logp).sum(dim=-1)  # [B, T, V] -> [B, T]
-    return token_logp, full_logp, entropy
+    full_logp = token_logp if removed is None else logprobs_from_logits(logits, token_ids)  # [B, T]
+    return token_logp, full_logp, entropy_from_logprobs(logp)
 
 
 ROLLOUT, EVALUATION = 0, 1  # the two uses of sampling seeds, each its own family of streams
