@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -55,3 +56,14 @@ def check_fit(check: Callable[[], None], local_ray: bool) -> None:
         if local_ray:
             raise
         print(f"warning: {err} (now; waiting in case the cluster's autoscaler adds nodes)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def on_this_node(role: str, action: str, location: str) -> Iterator[None]:
+    """Name the role, the node and the location in an I/O error raised inside (a path that exists
+    on the driver's node may not exist on this one)."""
+    try:
+        yield
+    except OSError as err:
+        node = ray.util.get_node_ip_address() if ray.is_initialized() else "this node"
+        raise OSError(f"{role} on node {node} could not {action} {location!r}: {err}") from err

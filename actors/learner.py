@@ -1,5 +1,5 @@
-"""LearnerActor group: N actors forming one torch.distributed world running DeepSpeed,
-placed on a Ray placement group whose bundles come from config."""
+"""LearnerActor group: N actors forming one torch.distributed world running DeepSpeed, each
+in its `learner-i` bundle of the run's placement group."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import socket
 
 import numpy as np
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.common import fetch_each, limit_threads
+from actors.common import fetch_each, limit_threads, on_this_node
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
+from actors.placement import Bundle, Placement
 from pipelines.algos.losses import DPOSpec, LossSpec
+from pipelines.data.storage import reading, writing
 
 
 @ray.remote(max_restarts=0)
@@ -63,38 +63,47 @@ class LearnerActor:
     def broadcast_weights(self) -> None:
         self.learner.broadcast_weights()
 
-    def save_pretrained(self, out_dir: str) -> None:
-        self.learner.save_pretrained(out_dir)
+    # Each rank writes its own files where the run's storage is (a path every node reaches, or a
+    # URI it uploads to), so checkpoints of learners on several nodes end up in one place.
+    def save_pretrained(self, location: str) -> None:
+        with on_this_node(f"learner rank {self.learner.rank}", "write", location), writing(location) as path:
+            self.learner.save_pretrained(path)
 
-    def save_checkpoint(self, out_dir: str) -> None:
-        self.learner.save_checkpoint(out_dir)
+    def save_checkpoint(self, location: str) -> None:
+        with on_this_node(f"learner rank {self.learner.rank}", "write", location), writing(location) as path:
+            self.learner.save_checkpoint(path)
 
-    def load_checkpoint(self, out_dir: str) -> None:
-        self.learner.load_checkpoint(out_dir)
+    def load_checkpoint(self, location: str) -> None:
+        with on_this_node(f"learner rank {self.learner.rank}", "read", location), reading(location) as path:
+            self.learner.load_checkpoint(path)
 
 
 class LearnerGroup(ActorGroup):
-    """Creates the placement group and the learners, and wires them into one world.
+    """The learners, one per `learner-i` bundle of the run's placement, wired into one world.
     Drive them with `run` / `run_async` (every rank must take part in each call)."""
 
-    def __init__(self, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, accelerator_type: str | None = None):
-        bundle = {"CPU": cpus_per_learner}
-        if spec.use_gpu:
-            bundle["GPU"] = 1
-        if accelerator_type:
-            bundle[f"accelerator_type:{accelerator_type}"] = 0.001
-        self.pg = placement_group([dict(bundle) for _ in range(num_learners)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=300)
+    def __init__(self, spec: LearnerSpec, placement: Placement, num_learners: int):
+        roles = [f"learner-{rank}" for rank in range(num_learners)]
         super().__init__(
-            LearnerActor.options(
-                num_cpus=cpus_per_learner,
-                num_gpus=1 if spec.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(threads=max(1, int(cpus_per_learner)))
-            for i in range(num_learners)
+            LearnerActor.options(**placement.options(role)).remote(threads=max(1, int(placement.options(role)["num_cpus"])))
+            for role in roles
         )
         addr, port = self.address()
         ray.get([a.init.remote(spec, rank, num_learners, addr, port) for rank, a in enumerate(self.actors)])
+        self.own_placement: Placement | None = None
+
+    @classmethod
+    def on_own_placement(cls, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, wait_s: float = 120) -> LearnerGroup:
+        """A group in a placement group of its own (tests, tools), which `shutdown` frees too."""
+        resources = {"CPU": cpus_per_learner, **({"GPU": 1.0} if spec.use_gpu else {})}
+        placement = Placement([Bundle(f"learner-{i}", resources) for i in range(num_learners)], "raypo:learners", wait_s)
+        try:
+            group = cls(spec, placement, num_learners)
+        except BaseException:
+            placement.remove()
+            raise
+        group.own_placement = placement
+        return group
 
     def address(self) -> tuple[str, int]:
         """An address on rank 0's node with a free port, to host a process group there."""
@@ -106,4 +115,5 @@ class LearnerGroup(ActorGroup):
 
     def shutdown(self) -> None:
         self.kill()
-        remove_placement_group(self.pg)
+        if self.own_placement is not None:
+            self.own_placement.remove()

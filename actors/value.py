@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import fetch_each, limit_threads
+from actors.common import fetch_each, limit_threads, on_this_node
 from actors.core.critic import Critic
+from pipelines.data.storage import reading, writing
 
 
 @ray.remote(max_restarts=0)
@@ -24,8 +25,11 @@ class ValueActor:
         the minibatches are the experience buffer's refs, fetched one at a time."""
         return self.critic.train_step(fetch_each(minibatches))
 
-    def save(self, out_dir: str) -> None:
-        self.critic.save(out_dir)
+    def save(self, location: str) -> None:
+        """Write the critic where the run's storage is (a path, or a URI it uploads to)."""
+        with on_this_node("value", "write", location), writing(location) as path:
+            self.critic.save(path)
 
-    def load(self, out_dir: str) -> None:
-        self.critic.load(out_dir)
+    def load(self, location: str) -> None:
+        with on_this_node("value", "read", location), reading(location) as path:
+            self.critic.load(path)

@@ -39,6 +39,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 # `raypo train` with no --config trains this preset (GRPO on the embedded tiny model).
 DEFAULT_TRAIN_PRESET = Path(__file__).resolve().parent.parent / "configs" / "grpo_tiny.yaml"
+FAKE_CLUSTER = Path(__file__).resolve().parent.parent / "configs" / "fake_cluster.yaml"
 
 
 def _load(args: argparse.Namespace) -> RaypoConfig:
@@ -86,6 +87,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     summary = train(cfg, address=args.address, resume=args.resume)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pipelines.rl.tune import load_sweep, print_summary, sweep
+
+    if args.config is None:
+        raise SystemExit("raypo tune needs a sweep file: raypo tune -c configs/tune_grpo_tiny.yaml")
+    result = sweep(args.config, args.overrides, resume=args.resume, address=args.address)
+    print_summary(result, load_sweep(args.config, args.overrides)[0])
     return 0
 
 
@@ -203,6 +214,33 @@ def _shutdown_serve() -> None:
     ray.shutdown()
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """A multi-node Ray cluster on this machine with cluster.yaml's node types (Ray's fake provider)."""
+    from pipelines import cluster
+
+    try:
+        if args.action == "up":
+            print(f"starting the head and the worker nodes of {args.config} (about a minute)...", flush=True)
+            state = cluster.up(args.config, wait_s=args.wait)
+            print(cluster.format_nodes(state["nodes"]))
+            print(f"\nup: GCS {state['gcs_address']}, dashboard {state['dashboard']}. Submit a run with")
+            print(f"  RAY_AUTH_MODE=token ray job submit --address {state['dashboard']} --working-dir . -- raypo train")
+            print("and stop the cluster with `raypo cluster down`.")
+        elif args.action == "down":
+            print(f"stopped {cluster.down()} processes of the cluster under {cluster.state_dir()}")
+        else:
+            state = cluster.status()
+            if state is None:
+                print(f"no raypo cluster is running from {cluster.state_dir()} (`raypo cluster up` starts one)")
+                return 1
+            print(f"GCS {state['gcs_address']}, dashboard {state['dashboard']}, from {state['config']}")
+            print(cluster.format_nodes(state["nodes"]))
+    except cluster.ClusterError as err:
+        print(f"raypo cluster {args.action}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(_load(args).model_dump(mode="json"), sort_keys=False), end="")
     return 0
@@ -222,6 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "tune",
+        help="a Ray Tune sweep over config keys (Optuna TPE + ASHA); writes a results table and the best preset",
+        description="raypo tune -c configs/tune_grpo_tiny.yaml runs the sweep the file describes; --resume continues "
+        "an interrupted one without re-running finished trials.",
+    )
+    p.add_argument("--config", "-c", help="the sweep file (configs/tune_grpo_tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a sweep-file key")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted sweep of this file (Tune's restore)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray started here)")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser(
         "train-rm", help="train a Bradley-Terry reward model on preference pairs (configs/rm_tiny.yaml; use it as model:DIR)"
@@ -263,6 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "cluster",
+        help="start, inspect or stop a multi-node Ray cluster on this machine (cluster.yaml's node types)",
+        description="raypo cluster up starts Ray's fake multi-node provider with the node types of the cluster file "
+        "(a head, learner and rollout nodes); down stops every process it started, by pid.",
+    )
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--config", "-c", default=str(FAKE_CLUSTER), help="the cluster file (node types and their resources)")
+    p.add_argument("--wait", type=float, default=180, help="seconds to wait for the worker nodes to join")
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("show-config", help="print the resolved config as YAML (validates it)")
     _add_config_args(p)

@@ -337,6 +337,12 @@ class TrainingConfig(Strict):
     epochs: int = Field(1, ge=1, description="passes over each step's experience")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
     spill_experience: bool = Field(False, description="write each step's experience to runs/<name>/experience/*.parquet")
+    storage_path: str | None = Field(
+        None,
+        description="where the run's checkpoints, final/ policy, metrics and summary go: a directory every node can "
+        "reach, or a URI pyarrow's filesystems take (s3://bucket/runs, gs://..., file:///shared/runs); the run is "
+        "<storage_path>/<name>. Empty = <output_dir>/<name> as an absolute path on the driver's machine",
+    )
 
 
 class InferenceConfig(Strict):
@@ -344,6 +350,27 @@ class InferenceConfig(Strict):
     temperature: float = Field(0.7, ge=0, description="sampling temperature (RL needs > 0)")
     top_p: float = Field(0.9, gt=0, le=1, description="nucleus sampling: keep the most likely tokens up to this mass (1 = off)")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens before top_p (0 = off)")
+
+
+# A node of cluster.yaml's type T advertises this resource (`raypo_node:learner: 1000`); a
+# bundle that asks for a sliver of it can only be placed on such a node.
+NODE_TYPE_RESOURCE = "raypo_node:"
+NODE_TYPE_SHARE = 0.001
+
+
+def node_type_of(resources: dict[str, float]) -> str | None:
+    """The cluster.yaml node type a bundle (or a node's resources) names, if any.
+
+    >>> node_type_of({"CPU": 1.0, "raypo_node:learner": 0.001}), node_type_of({"CPU": 1.0})
+    ('learner', None)
+    """
+    return next((key[len(NODE_TYPE_RESOURCE) :] for key in resources if key.startswith(NODE_TYPE_RESOURCE)), None)
+
+
+# The roles of a run that take a placement bundle, and the cluster.yaml node type each goes on by
+# default: the models that train on learner nodes, the ones that only run forward on rollout nodes.
+PLACED_ROLES = ("learner", "rollout", "reference", "value", "reward", "buffer", "helpers")
+DEFAULT_NODE_TYPES = {"learner": "learner", "value": "learner", "rollout": "rollout", "reference": "rollout"}
 
 
 class ResourceConfig(Strict):
@@ -358,6 +385,15 @@ class ResourceConfig(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage")
     cpus_per_learner: float = Field(1.0, gt=0, description="CPUs in each learner's placement bundle")
     accelerator_type: str | None = Field(None, description="e.g. A100: pins learners to such nodes")
+    node_types: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_NODE_TYPES),
+        description="the cluster.yaml node type each role is placed on (roles: " + ", ".join(PLACED_ROLES) + "); a "
+        "node of type T advertises the resource raypo_node:T. Used when the cluster's nodes advertise such resources; "
+        "on one machine, or for a role not named here, the role goes on any node with room",
+    )
+    placement_timeout_s: float = Field(
+        600, gt=0, description="how long a run waits for the cluster (and its autoscaler) to place all its roles"
+    )
     weight_sync: Literal["auto", "object_store", "broadcast"] = Field(
         "auto",
         description="how new weights reach the rollout engines: object_store (learner -> Ray object store -> engines), "
@@ -368,6 +404,14 @@ class ResourceConfig(Strict):
     @classmethod
     def _parse_ranges(cls, value: Any) -> list[int]:
         return parse_cpu_list(value)
+
+    @field_validator("node_types")
+    @classmethod
+    def _known_roles(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(PLACED_ROLES))
+        if unknown:
+            raise ValueError(f"unknown role(s) {unknown}; roles are {', '.join(PLACED_ROLES)}")
+        return value
 
 
 def parse_cpu_list(value: Any) -> list[int]:

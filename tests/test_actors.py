@@ -102,7 +102,7 @@ def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, 
     the warm-started tiny model; a less confident model's Z falls under 1 - eps, the clipped branch)."""
     prompts = [p.prompt for p in problems]
     batch = ray.get(rollout.generate.remote(prompts, 4, TRUNCATED, 8, prompt_seeds(0, 0, len(prompts))))
-    group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, sampling=TRUNCATED), 1, 0.5)
+    group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3, sampling=TRUNCATED), 1, 0.5)
     learner = group.run("logprobs", batch)[0]
     group.shutdown()
     mask = batch["response_mask"] == 1
@@ -165,7 +165,7 @@ def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tin
 
     batch = ray.get(batch_ref)
     targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
-    group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5)
+    group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5)
     before = ray.get(group.state_dict_ref())
     for _ in range(3):
         _train(group, buffer, batch_ref, targets, 16)
@@ -188,7 +188,7 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     engines = [RolloutActor.options(num_cpus=0.1).remote(str(tiny_model[0])) for _ in range(2)]
-    group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), 2, 0.5)
+    group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), 2, 0.5)
     sync = BroadcastSync(group, engines, backend="gloo")
     batch = ray.get(batch_ref)
     targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
@@ -215,7 +215,7 @@ def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray,
     targets = _targets(batch, scores)
     results = {}
     for world, stage in ((1, 0), (2, 2)):
-        group = LearnerGroup(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=stage), world, 0.5)
+        group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=stage), world, 0.5)
         metrics = _train(group, buffer, batch_ref, targets, 32)[0]
         results[world] = (metrics, ray.get(group.state_dict_ref()))
         group.shutdown()

@@ -25,9 +25,21 @@ def test_seed_example_loads_as_is():
     assert cfg.resource.cpu_affinity == list(range(16))
 
 
-@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+# configs/ also holds sweep files (tune_*.yaml, read by raypo tune) and the fake cluster's file
+RUN_PRESETS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tune_") and p.name != "fake_cluster.yaml")
+
+
+@pytest.mark.parametrize("preset", RUN_PRESETS)
 def test_every_preset_loads(preset):
     assert isinstance(load_config(CONFIGS / preset), RaypoConfig)
+
+
+@pytest.mark.parametrize("sweep", sorted(p.name for p in CONFIGS.glob("tune_*.yaml")))
+def test_every_sweep_file_loads_with_its_space_checked(sweep):
+    from pipelines.rl.tune import load_sweep
+
+    cfg, base = load_sweep(CONFIGS / sweep)
+    assert base.is_file() and cfg.space
 
 
 def test_dotted_overrides_are_typed_by_yaml():

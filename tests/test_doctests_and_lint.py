@@ -22,15 +22,18 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.algos.losses",
     "pipelines.algos.sampling",
     "pipelines.algos.schedules",
+    "pipelines.cluster",
     "pipelines.config",
     "pipelines.data.dataset",
     "pipelines.data.evaluate",
     "pipelines.data.preferences",
     "pipelines.data.rewards",
+    "pipelines.data.storage",
     "pipelines.data.tasks",
     "pipelines.models.sft",
     "pipelines.rl.roles",
     "pipelines.rl.trainer",
+    "pipelines.rl.tune",
 ]
 
 

@@ -1,6 +1,7 @@
 """The embedded tiny model: tokenizer, deterministic build, warm start, and that transformers
 and vLLM load the saved directory and agree on greedy output."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,28 @@ def test_cli_make_tiny_prints_the_accuracy(tiny_model):
     assert out.returncode == 0, out.stderr
     assert f"held-out greedy accuracy: {tiny_model[1]['heldout_accuracy']:.1%}" in out.stdout
     assert str(tiny_model[0]) in out.stdout
+
+
+def test_two_processes_building_one_model_at_once_build_it_once(tmp_path):
+    """Tune trials and parallel jobs may ask for the same tiny model together: one builds under the
+    cache's lock, the other waits and reuses it (without the lock both built and one deleted the
+    other's directory mid-rename)."""
+    quick = [  # a small model that builds in seconds and a band it always lands in
+        "--set", "model.tiny.sft_steps=30", "--set", "model.tiny.sft_problems=200", "--set", "model.tiny.heldout_problems=50",
+        "--set", "model.tiny.band={problems: 50, samples: 1, min_greedy: 0, max_greedy: 1, min_sampled: 0}",
+    ]  # fmt: skip
+    env = {**os.environ, "RAYPO_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "make-tiny", *quick], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    built = [out for out in outputs if "built tiny Llama" in out]
+    reused = [out for out in outputs if "tiny model cached at" in out]
+    assert len(built) == 1 and len(reused) == 1, outputs
+    models = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(models) == 1 and (models[0] / "model.safetensors").is_file()
+    assert outputs[0].strip().splitlines()[-1] == outputs[1].strip().splitlines()[-1] == str(models[0])

@@ -105,6 +105,28 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
     assert state["step"] == 5
 
 
+def test_a_run_on_uri_storage_writes_there_through_pyarrow_and_resumes_from_it(local_ray, tiny_model, tmp_path):
+    """training.storage_path as a URI: each role uploads what it writes (file:// goes through pyarrow's
+    filesystems as s3:// would), the driver keeps its own files in output_dir, --resume downloads."""
+    store = tmp_path / "store"
+    cfg = _cfg(tmp_path / "local", "ppo_tiny.yaml", "name=u", "training.steps=2", "training.save_every=1",
+               f"training.storage_path=file://{store}", "task.eval_problems=20")  # fmt: skip
+    summary = train(cfg)
+    run = store / "u"
+    assert summary["storage"] == f"file://{run}" and summary["checkpoint"] == f"file://{run}/checkpoints/step_000002"
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    for part in ("policy/model.safetensors", "deepspeed/latest", "critic/critic.safetensors", "trainer_state.json"):
+        assert (run / "checkpoints" / "step_000001" / part).is_file(), part
+    assert (run / "final" / "model.safetensors").is_file()
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2 and (run / "placement.json").is_file()
+
+    (tmp_path / "local").rename(tmp_path / "gone")  # resume reads the storage, not the driver's old files
+    resumed = train(cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 3})}), resume=True)
+    assert resumed["steps"] == 3
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
     two_engines = ["resource.num_rollout_workers=2", "resource.weight_sync=broadcast"]  # weights by gloo broadcast
     cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", *two_engines)

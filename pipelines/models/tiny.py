@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -162,14 +163,31 @@ def warm_start(cfg: TinyModelConfig, tokenizer, train: list, check_problems: lis
 
 def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], None] = print) -> tuple[Path, dict]:
     """Build, warm-start (until it lands in its band) and save the tiny model, or reuse the
-    cached one. Returns its directory and its manifest (the measured accuracies and checks)."""
-    out = tiny_dir(cfg)
-    manifest_path = out / MANIFEST
-    if manifest_path.exists() and not force:
-        manifest = json.loads(manifest_path.read_text())
-        log(f"tiny model cached at {out} (held-out greedy accuracy {manifest['heldout_accuracy']:.1%})")
-        return out, manifest
+    cached one. Returns its directory and its manifest (the measured accuracies and checks).
 
+    Safe to call from several processes at once (Tune trials, tests): one builds under a file
+    lock, the others wait for it and reuse its model; a model is renamed in whole, never seen
+    half-written."""
+    out = tiny_dir(cfg)
+    if not force and (cached := _cached(out, log)):
+        return out, cached
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not force and (cached := _cached(out, log)):  # another process built it while this one waited
+            return out, cached
+        return out, _build(cfg, out, log)
+
+
+def _cached(out: Path, log: Callable[[str], None]) -> dict | None:
+    manifest_path = out / MANIFEST
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    log(f"tiny model cached at {out} (held-out greedy accuracy {manifest['heldout_accuracy']:.1%})")
+    return manifest
+
+
+def _build(cfg: TinyModelConfig, out: Path, log: Callable[[str], None]) -> dict:
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
     tokenizer = build_tokenizer()
@@ -198,12 +216,13 @@ def make_tiny(cfg: TinyModelConfig, force: bool = False, log: Callable[[str], No
         "build_seconds": round(time.monotonic() - started, 1),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():  # --force over an old build: swap it out whole
-        shutil.rmtree(out)
+    old = out.with_name(out.name + f".old{os.getpid()}")
+    if out.exists():  # --force over an old build: move it aside first, delete it once the new one is in
+        out.rename(old)
     tmp.rename(out)  # atomic: a half-written model is never taken for a cached one
+    shutil.rmtree(old, ignore_errors=True)
     log(
         f"tiny model saved to {out}: held-out greedy accuracy {before:.1%} -> {after:.1%} on {len(heldout)} problems "
         f"(sampled {check.sampled:.1%} on the check problems) in {manifest['build_seconds']:.0f}s"
     )
-    return out, manifest
+    return manifest

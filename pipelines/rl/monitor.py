@@ -75,10 +75,12 @@ class Alerts:
 
 
 class Sinks:
-    """Writes each step's metrics to metrics.jsonl, TensorBoard and Ray metrics (Prometheus)."""
+    """Writes each step's metrics to metrics.jsonl, TensorBoard and Ray metrics (Prometheus).
+    Ray's gauges carry the tag `run` (the run's name), so runs sharing a cluster, such as the
+    trials of a sweep, report separate series."""
 
-    def __init__(self, out_dir: Path, resume_step: int = 0):
-        self.out_dir = out_dir
+    def __init__(self, out_dir: Path, resume_step: int = 0, run: str = ""):
+        self.out_dir, self.run = out_dir, run or out_dir.name
         path = out_dir / "metrics.jsonl"
         # On resume, drop the lines of steps after the checkpoint: they will be run again.
         kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] < resume_step] if path.exists() else []
@@ -100,9 +102,9 @@ class Sinks:
 
     def _gauge(self, key: str, value: float) -> None:
         if key not in self.gauges:
-            self.gauges[key] = Gauge(f"raypo_{key}", description=f"raypo training metric {key}")
+            self.gauges[key] = Gauge(f"raypo_{key}", description=f"raypo training metric {key}", tag_keys=("run",))
         try:
-            self.gauges[key].set(value)
+            self.gauges[key].set(value, tags={"run": self.run})
         except Exception:  # Ray metrics need a connected worker; never let them break training
             pass
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,50 +22,39 @@ import ray
 from tqdm import tqdm
 
 from actors.buffer import ExperienceBuffer
-from actors.common import ResourceFitError, check_fit, cpu_shortfall
+from actors.common import check_fit
 from actors.learner import LearnerGroup
+from actors.placement import Bundle, Placement
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
 from pipelines.data.evaluate import pairwise_tau
 from pipelines.data.preferences import PreferencePair, encode_reward_pairs_for, heldout_pairs, varied_pairs
+from pipelines.data.storage import local_path
 from pipelines.data.tasks import Problem
 from pipelines.models.resolve import resolve_model_path
 from pipelines.rl.monitor import Sinks
-from pipelines.rl.roles import ROLE_CPUS, learner_spec
+from pipelines.rl.roles import ROLE_CPUS, check_fits, cluster_has_node_types, learner_spec, resource_plan
 from pipelines.rl.trainer import ray_session
 
 
-def rm_cpu_plan(cfg: RaypoConfig) -> dict[str, float]:
-    res = cfg.resource
-    return {
-        "learners": res.num_learners * res.cpus_per_learner,
-        "buffer": ROLE_CPUS["buffer"],
-        "helper task": ROLE_CPUS["helper task"],
-    }
-
-
-def _check_fits(cfg: RaypoConfig) -> None:
-    if short := cpu_shortfall(rm_cpu_plan(cfg), ray.cluster_resources()):
-        raise ResourceFitError(f"reward-model training {short}; lower resource.num_learners or resource.cpus_per_learner")
+def rm_plan(cfg: RaypoConfig, by_node_type: bool = False) -> list[Bundle]:
+    """The bundles of reward-model training: the learners, the buffer and a helper task."""
+    return [b for b in resource_plan(cfg, by_node_type) if b.role.startswith("learner-") or b.role in ("buffer", "helpers")]
 
 
 class RewardModelTrainer:
     """The learner group with a score head, the buffer that serves its minibatches, and the task
     that turns preference pairs into reward-model inputs."""
 
-    def __init__(self, cfg: RaypoConfig, model_dir: Path):
-        self.cfg, self.model_dir = cfg, str(model_dir)
-        self.out_dir = Path(cfg.output_dir) / cfg.name
+    def __init__(self, cfg: RaypoConfig, model_dir: Path, placement: Placement):
+        self.cfg, self.model_dir, self.placement = cfg, str(model_dir), placement
+        self.out_dir = local_path(cfg.output_dir) / cfg.name  # absolute: the learners may run on other nodes
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        res = cfg.resource
         spec = dataclasses.replace(learner_spec(cfg, model_dir), head="score", l2_coef=cfg.rm.l2_coef)
-        self.buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1)
-        try:
-            self.learners = LearnerGroup(spec, res.num_learners, res.cpus_per_learner, res.accelerator_type)
-        except BaseException:
-            ray.kill(self.buffer)  # on a joined cluster nothing else would end it
-            raise
-        self.encode = ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_reward_pairs_for)
+        self.buffer = ExperienceBuffer.options(**placement.options("buffer")).remote(1)
+        self.learners = LearnerGroup(spec, placement, cfg.resource.num_learners)
+        helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
+        self.encode = ray.remote(encode_reward_pairs_for).options(**helper)
 
     def pairs_ref(self, pairs: list[PreferencePair]):
         """A ref to the reward-model inputs of `pairs`, encoded by a Ray task."""
@@ -96,6 +86,7 @@ class RewardModelTrainer:
     def shutdown(self) -> None:
         ray.kill(self.buffer)
         self.learners.shutdown()
+        self.placement.remove()
 
 
 def train_reward_model(cfg: RaypoConfig, address: str | None = None) -> dict:
@@ -105,8 +96,16 @@ def train_reward_model(cfg: RaypoConfig, address: str | None = None) -> dict:
     task = load_task(cfg, model_dir, preferences=True)  # a bad dataset stops here, before Ray starts
     started = time.monotonic()
     with ray_session(cfg, address) as local_ray:
-        check_fit(lambda: _check_fits(cfg), local_ray=local_ray)
-        rm = RewardModelTrainer(cfg, model_dir)
+        cluster = ray.cluster_resources()
+        plan = rm_plan(cfg, by_node_type=cluster_has_node_types(cluster))
+        check_fit(lambda: check_fits(plan, cluster), local_ray=local_ray)
+        wait_s = 60.0 if local_ray else cfg.resource.placement_timeout_s
+        placement = Placement(plan, name=f"raypo:{cfg.name}:{os.getpid()}:rm", wait_s=wait_s)
+        try:
+            rm = RewardModelTrainer(cfg, model_dir, placement)
+        except BaseException:
+            placement.remove()  # ends the actors already started in it; on a joined cluster nothing else would
+            raise
         try:
             heldout = rm.pairs_ref(heldout_pairs(task.sample(cfg.task.eval_problems, "heldout", cfg.seed), cfg.seed))
             eval_start = rm.evaluate(heldout)

@@ -1,4 +1,5 @@
-"""The actors (roles) of a run: what each reserves, whether they fit the cluster, building them.
+"""The actors (roles) of a run: the one resource plan (a placement bundle per role), whether it
+fits the cluster, and building the roles in their bundles.
 
 Every role is an actor from actors/; the driver holds their handles in one typed `Roles`.
 """
@@ -18,13 +19,14 @@ from actors.common import ResourceFitError, cpu_shortfall
 from actors.core.learner import LearnerSpec
 from actors.core.reward import RefreshSpec
 from actors.learner import LearnerGroup
+from actors.placement import Bundle, Placement
 from actors.reference import ReferenceActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from actors.value import ValueActor
 from actors.weight_sync import WeightSync, make_weight_sync
 from pipelines.algos.sampling import SamplingSpec
-from pipelines.config import RaypoConfig
+from pipelines.config import NODE_TYPE_RESOURCE, NODE_TYPE_SHARE, RaypoConfig
 from pipelines.data.preferences import encode_pairs_for
 from pipelines.rl.experience import concat_batches, prepare_experience
 
@@ -47,62 +49,97 @@ class Roles:
     concat_batches: RemoteFunction  # rl/experience.py's concat_batches, as a Ray task
     encode_pairs: RemoteFunction  # data/preferences.py's encode_pairs_for(model_dir, pairs), as a Ray task
     model_dir: str  # the policy's starting weights and tokenizer
+    placement: Placement  # the run's placement group: which bundle, and so which node, each role took
     reference: ActorHandle[ReferenceActor] | None = None  # only for DPO or a KL term (algo.uses_reference)
     value: ActorHandle[ValueActor] | None = None  # only with a critic (algo.advantage = gae)
 
     def shutdown(self) -> None:
-        """End every actor of the run and free the learners' placement group."""
+        """End every actor of the run and free its placement group."""
         for actor in [*self.rollouts, self.reward, self.buffer, self.reference, self.value]:
             if actor is not None:
                 ray.kill(actor)
         self.learners.shutdown()
+        self.placement.remove()
 
 
 # CPUs each role reserves in Ray's scheduler. A role's torch threads are set apart from this
 # (roles take turns within a step), so the reservations only have to fit the machine together.
 ROLE_CPUS = {"rollout": 0.2, "reference": 0.2, "value": 0.2, "reward": 0.05, "buffer": 0.05, "helper task": 0.05}
-HELPER_TASKS = 2  # prepare_experience and concat_batches may run at once
+HELPER_TASKS = 2  # prepare_experience and concat_batches may run at once, in the `helpers` bundle
 
 
-def cpu_plan(cfg: RaypoConfig) -> dict[str, float]:
-    """CPUs each role of `cfg`'s run reserves, by role."""
-    res = cfg.resource
-    plan = {
-        "learners": res.num_learners * res.cpus_per_learner,
-        "rollout": res.num_rollout_workers * ROLE_CPUS["rollout"],
-        "reward": ROLE_CPUS["reward"],
-        "buffer": ROLE_CPUS["buffer"],
-        "helper tasks": HELPER_TASKS * ROLE_CPUS["helper task"],
-    }
+def role_bundle(cfg: RaypoConfig, role: str, kind: str, cpus: float, by_node_type: bool, gpu: bool = False) -> Bundle:
+    """The bundle of `role` (of `kind`, a key of resource.node_types): its CPUs, a GPU when it
+    runs on one, and the node-type resource that pins it to its cluster.yaml node type."""
+    resources = {"CPU": cpus}
+    if gpu:
+        resources["GPU"] = 1.0
+    node_type = cfg.resource.node_types.get(kind)
+    if by_node_type and node_type:
+        resources[NODE_TYPE_RESOURCE + node_type] = NODE_TYPE_SHARE
+    if kind in ("learner", "value") and cfg.resource.accelerator_type:
+        resources[f"accelerator_type:{cfg.resource.accelerator_type}"] = NODE_TYPE_SHARE
+    return Bundle(role, resources)
+
+
+def resource_plan(cfg: RaypoConfig, by_node_type: bool = False) -> list[Bundle]:
+    """The run's one resource plan: a bundle per role, in the order the placement group (or a Tune
+    trial, after its driver's bundle) reserves them. `by_node_type`: pin roles to their node
+    types (the cluster's nodes advertise raypo_node:<type>).
+
+    >>> from pipelines.config import load_config
+    >>> [(b.role, b.resources) for b in resource_plan(load_config(), by_node_type=True)][:3]
+    [('learner-0', {'CPU': 1.0, 'raypo_node:learner': 0.001}), ('rollout-0', {'CPU': 0.2, 'raypo_node:rollout': 0.001}), \
+('reward', {'CPU': 0.05})]
+    """
+    res, gpu = cfg.resource, cfg.resource.use_gpu
+    plan = [role_bundle(cfg, f"learner-{i}", "learner", res.cpus_per_learner, by_node_type, gpu) for i in range(res.num_learners)]
+    plan += [
+        role_bundle(cfg, f"rollout-{i}", "rollout", ROLE_CPUS["rollout"], by_node_type, gpu)
+        for i in range(res.num_rollout_workers)
+    ]
+    plan += [
+        role_bundle(cfg, "reward", "reward", ROLE_CPUS["reward"], by_node_type),
+        role_bundle(cfg, "buffer", "buffer", ROLE_CPUS["buffer"], by_node_type),
+        role_bundle(cfg, "helpers", "helpers", HELPER_TASKS * ROLE_CPUS["helper task"], by_node_type),
+    ]
     if cfg.algo.uses_reference:
-        plan["reference"] = ROLE_CPUS["reference"]
+        plan.append(role_bundle(cfg, "reference", "reference", ROLE_CPUS["reference"], by_node_type))
     if cfg.algo.uses_critic:
-        plan["value"] = ROLE_CPUS["value"]
+        plan.append(role_bundle(cfg, "value", "value", ROLE_CPUS["value"], by_node_type))
     return plan
 
 
-def check_fits(cfg: RaypoConfig, cluster: dict[str, float]) -> None:
-    """Raise ResourceFitError at once when the run cannot be placed on a cluster with
+def cluster_has_node_types(cluster: dict[str, float]) -> bool:
+    """Whether a cluster's nodes advertise raypo node types (cluster.yaml's, or the fake cluster's)."""
+    return any(key.startswith(NODE_TYPE_RESOURCE) for key in cluster)
+
+
+def check_fits(plan: list[Bundle], cluster: dict[str, float]) -> None:
+    """Raise ResourceFitError at once when the run's `plan` cannot be placed on a cluster with
     `cluster` resources (`ray.cluster_resources()`), instead of waiting for it forever.
 
     >>> from pipelines.config import load_config
     >>> try:
-    ...     check_fits(load_config(overrides=["resource.num_learners=2"]), {"CPU": 2.0})
+    ...     check_fits(resource_plan(load_config(overrides=["resource.num_learners=2"])), {"CPU": 2.0})
     ... except ResourceFitError as err:
     ...     print(str(err).partition(" (")[0], "...", str(err).partition(") ")[2].partition(";")[0])
     this run needs 2.6 CPUs ... but the Ray cluster has 2
     """
-    if short := cpu_shortfall(cpu_plan(cfg), cluster):
+    cpus: dict[str, float] = {}
+    for bundle in plan:
+        part = bundle.role.rsplit("-", 1)[0] + "s" if bundle.role[-1].isdigit() else bundle.role
+        cpus[part] = cpus.get(part, 0.0) + bundle.resources.get("CPU", 0.0)
+    if short := cpu_shortfall(cpus, cluster):
         raise ResourceFitError(
             f"this run {short}; lower resource.num_learners, resource.cpus_per_learner or resource.num_rollout_workers, "
             "or run on a bigger cluster"
         )
-    res = cfg.resource
-    gpus = res.num_learners + res.num_rollout_workers if res.use_gpu else 0
+    gpus = sum(bundle.resources.get("GPU", 0.0) for bundle in plan)
     if gpus > cluster.get("GPU", 0.0):
         raise ResourceFitError(
-            f"this run needs {gpus} GPUs ({res.num_learners} learners + {res.num_rollout_workers} rollout engines, one "
-            f"each) but the Ray cluster has {cluster.get('GPU', 0.0):g}; set resource.use_gpu=false or add GPUs"
+            f"this run needs {gpus:g} GPUs (learners and rollout engines, one each) but the Ray cluster has "
+            f"{cluster.get('GPU', 0.0):g}; set resource.use_gpu=false or add GPUs"
         )
 
 
@@ -127,12 +164,13 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
     )
 
 
-def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
+def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement) -> Roles:
+    """Start every role of the run, each in its bundle of `placement`."""
     res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
     rollouts = [
-        RolloutActor.options(
-            num_cpus=ROLE_CPUS["rollout"], num_gpus=1 if res.use_gpu else 0, name=actor_name(cfg, f"rollout-{i}")
-        ).remote(str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction)
+        RolloutActor.options(**placement.options(f"rollout-{i}", name=actor_name(cfg, f"rollout-{i}"))).remote(
+            str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction
+        )
         for i in range(res.num_rollout_workers)
     ]
     terms = [(t.fn, t.weight) for t in cfg.reward.terms]
@@ -149,31 +187,33 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path) -> Roles:
             batch_size=cfg.training.minibatch_size,
             seed=cfg.seed,
         )
-    reward = RewardActor.options(num_cpus=ROLE_CPUS["reward"]).remote(terms, rw.normalize, rw.value_range, refresh)
+    reward = RewardActor.options(**placement.options("reward")).remote(terms, rw.normalize, rw.value_range, refresh)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
-    buffer = ExperienceBuffer.options(num_cpus=ROLE_CPUS["buffer"]).remote(1, spill_dir)
+    buffer = ExperienceBuffer.options(**placement.options("buffer")).remote(1, spill_dir)
     reference = None
     if cfg.algo.uses_reference:
         # in the learner's dtype (its bf16 mode, else float32), so policy and reference agree at step 0
-        reference = ReferenceActor.options(num_cpus=ROLE_CPUS["reference"]).remote(
+        reference = ReferenceActor.options(**placement.options("reference")).remote(
             str(model_dir), cfg.inference.temperature, threads, "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
         )
     value = None
     if cfg.algo.uses_critic:
-        value = ValueActor.options(num_cpus=ROLE_CPUS["value"]).remote(
+        value = ValueActor.options(**placement.options("value")).remote(
             str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads
         )
-    learners = LearnerGroup(learner_spec(cfg, model_dir), res.num_learners, res.cpus_per_learner, res.accelerator_type)
+    learners = LearnerGroup(learner_spec(cfg, model_dir), placement, res.num_learners)
+    helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
     return Roles(
         rollouts=rollouts,
         reward=reward,
         learners=learners,
         buffer=buffer,
         weight_sync=make_weight_sync(res.weight_sync, learners, rollouts, res.use_gpu),
-        prepare_experience=ray.remote(num_cpus=ROLE_CPUS["helper task"], num_returns=2)(prepare_experience),
-        concat_batches=ray.remote(num_cpus=ROLE_CPUS["helper task"])(concat_batches),
-        encode_pairs=ray.remote(num_cpus=ROLE_CPUS["helper task"])(encode_pairs_for),
+        prepare_experience=ray.remote(prepare_experience).options(**helper, num_returns=2),
+        concat_batches=ray.remote(concat_batches).options(**helper),
+        encode_pairs=ray.remote(encode_pairs_for).options(**helper),
         model_dir=str(model_dir),
+        placement=placement,
         reference=reference,
         value=value,
     )

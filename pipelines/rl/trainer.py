@@ -1,9 +1,11 @@
 """The RL driver: builds the roles, runs an algorithm's step in a loop, and writes the run.
 
 `train(cfg)` is the one entry point that the CLI, Ray Jobs and Ray Tune trials call: config
-in, summary out, each step's metrics to an optional callback. Outputs go to runs/<name>/:
-metrics.jsonl, summary.json, tensorboard/, reward_curve.png, checkpoints/step_N (Hugging
-Face weights + optimizer and step state, for --resume) and final/ (the trained policy).
+in, summary out, each step's metrics to an optional callback. Outputs go to the run's storage,
+<training.storage_path>/<name> (else <output_dir>/<name>, made absolute): metrics.jsonl,
+summary.json, tensorboard/, reward_curve.png, checkpoints/step_N (Hugging Face weights +
+optimizer and step state, for --resume) and final/ (the trained policy). Where the storage is
+a URI, the driver keeps its own files in <output_dir>/<name> and uploads them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,10 +25,13 @@ from pathlib import Path
 
 import ray
 import ray.exceptions as rex
+from ray.util.placement_group import PlacementGroup
 from tqdm import tqdm
 
 from actors.common import check_fit
+from actors.placement import Placement
 from pipelines.config import RaypoConfig
+from pipelines.data import storage
 from pipelines.data.dataset import load_task
 from pipelines.data.evaluate import write_rows
 from pipelines.data.preferences import heldout_pairs
@@ -40,7 +45,7 @@ from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at
 from pipelines.rl.ppo import ppo_step
-from pipelines.rl.roles import Roles, build_roles, check_fits
+from pipelines.rl.roles import Roles, build_roles, check_fits, cluster_has_node_types, resource_plan
 
 MetricsCallback = Callable[[dict], None]
 
@@ -69,19 +74,46 @@ class TrainingError(RuntimeError):
     """A run stopped; the message names the cause. The last checkpoint is left intact."""
 
 
+# The driver's own files of a run, uploaded to the run's storage when it is a URI.
+DRIVER_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "reward_curve.png", "placement.json")
+
+
+def run_location(cfg: RaypoConfig) -> str:
+    """Where a run's outputs go: <training.storage_path>/<name>, else <output_dir>/<name> as an
+    absolute path (actors on other nodes, or in a Ray Job's working directory, see the same path)."""
+    if cfg.training.storage_path:
+        root = cfg.training.storage_path
+        return storage.join(root if storage.is_uri(root) else str(storage.local_path(root)), cfg.name)
+    return str(storage.local_path(cfg.output_dir) / cfg.name)
+
+
 class Trainer:
-    def __init__(self, cfg: RaypoConfig, model_dir: Path, task: Task, on_metrics: MetricsCallback | None = None):
+    def __init__(
+        self, cfg: RaypoConfig, model_dir: Path, task: Task, placement: Placement, on_metrics: MetricsCallback | None = None
+    ):
         if cfg.algo.name not in PIPELINES:
             raise TrainingError(f"algorithm {cfg.algo.name!r} has no RL pipeline yet; known: {', '.join(PIPELINES.names())}")
         self.cfg, self.model_dir, self.task, self.on_metrics = cfg, model_dir, task, on_metrics
         self.pipeline = PIPELINES.get(cfg.algo.name)
-        self.out_dir = Path(cfg.output_dir) / cfg.name
-        self.ckpt_root = self.out_dir / "checkpoints"
+        self.location = run_location(cfg)
+        remote = storage.is_uri(self.location)
+        self.out_dir = storage.local_path(cfg.output_dir) / cfg.name if remote else Path(self.location)
+        self.ckpt_root = storage.join(self.location, "checkpoints")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
         # where a refreshed reward model's Kendall tau is measured (the pairs raypo train-rm checks on)
         self.rm_heldout = heldout_pairs(self.eval_problems, cfg.seed) if cfg.reward.refresh_every else []
-        self.roles: Roles = build_roles(cfg, model_dir, self.out_dir)
+        self.roles: Roles = build_roles(cfg, model_dir, self.out_dir, placement)
+        self.placement = placement.where()
+        for where in self.placement:
+            node = f"{where['node_ip']} {(where['node_id'] or '?')[-8:]}"
+            print(f"placed {where['role']} on node {node} (type {where['node_type'] or 'none'})", flush=True)
+        (self.out_dir / "placement.json").write_text(json.dumps(self.placement, indent=2))
+
+    def upload(self) -> None:
+        """Copy the driver's files to the run's storage (nothing to do when that is out_dir)."""
+        names = [*DRIVER_FILES, *(p.name for p in self.out_dir.glob("eval_*.jsonl"))]
+        storage.upload_files(self.out_dir, names, self.location)
 
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
@@ -102,7 +134,7 @@ class Trainer:
         stream = self.task.stream("train", cfg.seed)
         for _ in range(sum(prompts_at(cfg, s) for s in range(start_step))):  # the prompts earlier steps used
             next(stream)
-        sinks = Sinks(self.out_dir, resume_step=start_step)
+        sinks = Sinks(self.out_dir, resume_step=start_step, run=cfg.name)
         alerts = Alerts(
             cfg.monitor, reward_span=2.0 if cfg.reward.normalize else cfg.reward.value_range[1] - cfg.reward.value_range[0]
         )
@@ -129,15 +161,15 @@ class Trainer:
                 every = cfg.training.save_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
                     save_checkpoint(self.roles, self.ckpt_root, step + 1, state)
+                    self.upload()
         finally:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
         end_step = max(step + 1, start_step) if cfg.training.steps > start_step else start_step
         ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state)
-        final = self.out_dir / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(ckpt / "policy", final)
+        final = storage.join(self.location, "final")
+        storage.copy_dir(storage.join(ckpt, "policy"), final)
         eval_end = self.evaluate("end")
         accuracy = {"eval_accuracy_start": state["eval_start"].get("accuracy"), "eval_accuracy_end": eval_end.get("accuracy")}
         summary = {
@@ -150,10 +182,13 @@ class Trainer:
             "eval_end": eval_end,
             "final_reward_mean": sinks.history[-1].get("reward_mean") if sinks.history else None,
             "wall_seconds": round(time.monotonic() - started, 1),
-            "checkpoint": str(ckpt),
-            "policy": str(final),
+            "checkpoint": ckpt,
+            "policy": final,
+            "storage": self.location,
+            "placement": self.placement,
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.upload()
         return summary
 
     def _resume(self) -> dict:
@@ -164,6 +199,8 @@ class Trainer:
         if ckpt is None:
             raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
         state = load_checkpoint(self.roles, ckpt)
+        if storage.is_uri(self.location) and (metrics := storage.read_text(storage.join(self.location, "metrics.jsonl"))):
+            (self.out_dir / "metrics.jsonl").write_text(metrics)  # the steps before the checkpoint, kept by Sinks
         print(f"resumed from {ckpt} at step {state['step']}")
         return state
 
@@ -227,14 +264,30 @@ def with_root_cause(summary: str, traceback_text: str) -> str:
     return first[:200] if root.startswith(first) else f"{first[:200]} caused by {root}"
 
 
-def train(cfg: RaypoConfig, address: str | None = None, on_metrics: MetricsCallback | None = None, resume: bool = False) -> dict:
+def train(
+    cfg: RaypoConfig,
+    address: str | None = None,
+    on_metrics: MetricsCallback | None = None,
+    resume: bool = False,
+    trial_group: PlacementGroup | None = None,
+) -> dict:
     """Train with `cfg` on the Ray cluster at `address` (or RAY_ADDRESS), else on a local Ray
-    that this call starts and stops. Returns the run's summary; raises TrainingError."""
+    that this call starts and stops; inside a Ray Tune trial, in the trial's placement group
+    `trial_group` (reserved from `resource_plan`). Returns the run's summary; raises TrainingError."""
     model_dir = resolve_model_path(cfg)
     task = load_task(cfg, model_dir)  # a bad dataset stops the run here, before Ray and its actors start
     with ray_session(cfg, address) as local_ray:
-        check_fit(lambda: check_fits(cfg, ray.cluster_resources()), local_ray=local_ray)
-        trainer = Trainer(cfg, model_dir, task, on_metrics)
+        cluster = ray.cluster_resources()
+        plan = resource_plan(cfg, by_node_type=cluster_has_node_types(cluster))
+        if trial_group is None:  # a trial's group was reserved whole by Tune: it fits
+            check_fit(lambda: check_fits(plan, cluster), local_ray=local_ray)
+        wait_s = 60.0 if local_ray else cfg.resource.placement_timeout_s
+        placement = Placement(plan, name=f"raypo:{cfg.name}:{os.getpid()}", wait_s=wait_s, trial_group=trial_group)
+        try:
+            trainer = Trainer(cfg, model_dir, task, placement, on_metrics)
+        except BaseException:
+            placement.remove()  # on a joined cluster nothing else would free it
+            raise
         try:
             return trainer.run(resume=resume)
         finally:
@@ -255,13 +308,17 @@ def ray_session(cfg: RaypoConfig, address: str | None = None) -> Iterator[bool]:
         else:
             ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine by Ray
             started_ray = True
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # Only the main thread may set a signal handler; a Tune trial or a caller's thread leaves
+    # SIGTERM to whoever owns the process.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if on_main_thread else None
     try:
         yield started_ray
     except (rex.RayError, rex.RayTaskError) as err:
         raise TrainingError(_describe_failure(err)) from err
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if started_ray:
             ray.shutdown()
 

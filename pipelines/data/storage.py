@@ -1,0 +1,164 @@
+"""Where a run's durable outputs live: a local directory (shared by the nodes, or this machine's),
+or any URI that pyarrow's filesystems take (s3://, gs://, hdfs://, and file:// for a local
+directory read and written the way an object store is).
+
+A process writes into a local directory and, for a URI, uploads it when done (`writing`); it
+reads from a local copy (`reading`). So the node that holds the data writes it, and nothing
+passes through the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+
+class StorageError(OSError):
+    """A storage location cannot be reached, read or written; the message names it."""
+
+
+def is_uri(location: str) -> bool:
+    """Whether `location` is a URI, read and written through pyarrow's filesystems (a file:// URI
+    too, the same way as an object store), rather than a plain local path.
+
+    >>> is_uri("s3://bucket/runs"), is_uri("file:///shared/runs"), is_uri("/shared/runs"), is_uri("runs")
+    (True, True, False, False)
+    """
+    return "://" in location
+
+
+def local_path(location: str) -> Path:
+    """The absolute path of a local `location`, a relative one taken from the working directory.
+
+    >>> local_path("/tmp/../tmp/x")
+    PosixPath('/tmp/x')
+    """
+    return Path(location).expanduser().resolve()
+
+
+def join(location: str, *parts: str) -> str:
+    """`location`/`parts`, for a path or a URI.
+
+    >>> join("s3://bucket/runs/", "grpo", "checkpoints"), join("/shared/runs", "grpo")
+    ('s3://bucket/runs/grpo/checkpoints', '/shared/runs/grpo')
+    """
+    if is_uri(location):
+        return "/".join([location.rstrip("/"), *parts])
+    return str(Path(location).joinpath(*parts))
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (ValueError, OSError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise StorageError(f"storage {uri!r}: pyarrow cannot open it ({err})") from None
+
+
+@contextlib.contextmanager
+def writing(location: str) -> Iterator[Path]:
+    """A local directory to write `location`'s files into: the directory itself when local,
+    else a temporary one uploaded to the URI on a clean exit."""
+    if not is_uri(location):
+        path = local_path(location)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    fs, root = _filesystem(location)
+    with tempfile.TemporaryDirectory(prefix="raypo-upload-") as tmp:
+        yield Path(tmp)
+        try:
+            fs.create_dir(root, recursive=True)
+            pafs.copy_files(tmp, root, destination_filesystem=fs)
+        except OSError as err:
+            raise StorageError(f"could not upload to {location!r}: {err}") from err
+
+
+@contextlib.contextmanager
+def reading(location: str) -> Iterator[Path]:
+    """A local directory holding `location`'s files: itself when local, else a temporary download."""
+    if not is_uri(location):
+        path = local_path(location)
+        if not path.exists():
+            raise StorageError(f"{str(path)!r} does not exist on this node")
+        yield path
+        return
+    fs, root = _filesystem(location)
+    with tempfile.TemporaryDirectory(prefix="raypo-download-") as tmp:
+        try:
+            pafs.copy_files(root, tmp, source_filesystem=fs)
+        except OSError as err:
+            raise StorageError(f"could not download {location!r}: {err}") from err
+        yield Path(tmp)
+
+
+def read_text(location: str) -> str | None:
+    """The text of the file at `location`, or None when there is none."""
+    if not is_uri(location):
+        path = local_path(location)
+        return path.read_text() if path.is_file() else None
+    fs, path = _filesystem(location)
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode()
+
+
+def write_text(location: str, text: str) -> None:
+    """Write `text` to the file at `location`, replacing it whole (a local file via rename)."""
+    if not is_uri(location):
+        path = local_path(location)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        return
+    fs, path = _filesystem(location)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as f:  # object stores make the object visible only once it is closed
+        f.write(text.encode())
+
+
+def copy_dir(source: str, destination: str) -> None:
+    """Replace the directory `destination` with a copy of `source` (both in one storage)."""
+    if not is_uri(source):
+        dst = local_path(destination)
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(local_path(source), tmp)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+        return
+    fs, src = _filesystem(source)
+    _, dst = _filesystem(destination)
+    remove_dir(destination)
+    fs.create_dir(dst, recursive=True)
+    pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=fs)
+
+
+def upload_files(local_dir: Path, names: list[str], location: str) -> None:
+    """Copy the files and directories `names` of `local_dir` (those that exist) to `location`;
+    nothing to do when `location` is `local_dir` itself."""
+    if not is_uri(location) and local_path(location) == local_dir.resolve():
+        return
+    with writing(location) as out:
+        for name in names:
+            src = local_dir / name
+            if src.is_dir():
+                shutil.copytree(src, out / name, dirs_exist_ok=True)
+            elif src.is_file():
+                shutil.copy2(src, out / name)
+
+
+def remove_dir(location: str) -> None:
+    """Delete the directory at `location` if it exists."""
+    if not is_uri(location):
+        shutil.rmtree(local_path(location), ignore_errors=True)
+        return
+    fs, path = _filesystem(location)
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_dir(path)
