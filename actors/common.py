@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import ray
 
+from pipelines.data.storage import StorageError
+
 
 def limit_threads(cpus: float) -> None:
     """Let torch use the cores this actor may use (at least one), not every core on the node:
@@ -66,4 +68,4 @@ def on_this_node(role: str, action: str, location: str) -> Iterator[None]:
         yield
     except OSError as err:
         node = ray.util.get_node_ip_address() if ray.is_initialized() else "this node"
-        raise OSError(f"{role} on node {node} could not {action} {location!r}: {err}") from err
+        raise StorageError(f"{role} on node {node} could not {action} {location!r}: {err}") from err

@@ -12,7 +12,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.common import ResourceFitError
-from pipelines.config import node_type_of
+from pipelines.config import node_kind
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,11 @@ class Placement:
         else:
             self.pg = placement_group([dict(b.resources) for b in bundles], strategy="PACK", name=name)
             self.offset, self.owned = 0, True
-        self._wait(wait_s)
+        try:
+            self._wait(wait_s)
+        except BaseException:  # a timeout, Ctrl-C or `ray job stop` while waiting: free what was reserved
+            self.remove()
+            raise
 
     def _wait(self, wait_s: float) -> None:
         deadline, ready = time.monotonic() + wait_s, self.pg.ready()
@@ -54,7 +58,6 @@ class Placement:
             if done:
                 return
             if time.monotonic() >= deadline:
-                self.remove()
                 wanted = "; ".join(f"{b.role} {b.resources}" for b in self.bundles)
                 raise ResourceFitError(
                     f"the run's placement group was not placed within {wait_s:g} s: no node offers {wanted} "
@@ -87,14 +90,12 @@ class Placement:
         out = []
         for bundle in self.bundles:
             node = nodes.get(on_node.get(self.offset + self.index[bundle.role]), {})
-            resources = node.get("Resources", {})
-            head = "node:__internal_head__" in resources
             out.append(
                 {
                     "role": bundle.role,
                     "node_id": node.get("NodeID"),
                     "node_ip": node.get("NodeManagerAddress"),
-                    "node_type": node_type_of(resources) or ("head" if head else None),
+                    "node_type": node_kind(node.get("Resources", {})),
                 }
             )
         return out

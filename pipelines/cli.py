@@ -91,12 +91,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pipelines.rl.tune import load_sweep, print_summary, sweep
+    from pipelines.rl.tune import print_summary, sweep
 
     if args.config is None:
         raise SystemExit("raypo tune needs a sweep file: raypo tune -c configs/tune_grpo_tiny.yaml")
     result = sweep(args.config, args.overrides, resume=args.resume, address=args.address)
-    print_summary(result, load_sweep(args.config, args.overrides)[0])
+    print_summary(result)
     return 0
 
 
@@ -124,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if args.action == "promote":
                 if not args.target:
                     raise SystemExit("raypo serve promote needs a checkpoint: raypo serve promote runs/<name>/final")
-                table = ops.promote(args.target, front_app=args.app, ready_timeout_s=args.ready_timeout)
+                target = str(_local_checkpoint(args.target))
+                table = ops.promote(target, front_app=args.app, ready_timeout_s=args.ready_timeout)
             else:
                 table = ops.rollback(args.app) if args.action == "rollback" else ops.status(args.app)
         except ops.ServeOpError as err:
@@ -133,6 +134,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(ops.format_status(table))
         return 0
     return _serve_forever(args)
+
+
+def _local_checkpoint(location: str) -> Path:
+    """A checkpoint to serve: a local directory, or a run's storage URI (`<storage_path>/<name>/final`)
+    downloaded once into the raypo cache on this machine."""
+    from pipelines.data.storage import is_uri, local_copy
+    from pipelines.models.tiny import cache_root
+
+    if is_uri(location):
+        print(f"fetching {location} ...", flush=True)
+    return local_copy(location, cache_root())
 
 
 def _serve_forever(args: argparse.Namespace) -> int:
@@ -145,7 +157,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         raise SystemExit("raypo serve needs --checkpoint (a model directory, e.g. runs/<name>/final)")
     serve_args = ServeArgs(
-        checkpoint=args.checkpoint,
+        checkpoint=str(_local_checkpoint(args.checkpoint)),
         model_id=args.model_id,
         max_model_len=args.max_model_len,
         min_replicas=args.min_replicas,
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DatasetError, FileNotFoundError, ValidationError) as err:
+    except (ConfigError, DatasetError, OSError, ValidationError) as err:  # OSError: paths and storage
         print(f"raypo {args.command}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # TrainingError and friends: the message names the cause

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from pipelines.config import node_type_of
+from pipelines.config import node_kind
 
 GCS_PORT = 6379  # the fake provider's worker nodes join the GCS on this port
 DASHBOARD_PORT = 8265
@@ -197,11 +197,10 @@ def describe_nodes() -> list[dict]:
             if not node["Alive"]:
                 continue
             resources = node["Resources"]
-            head = "node:__internal_head__" in resources
             out.append(
                 {
                     "node_id": node["NodeID"][-12:],
-                    "type": "head" if head else node_type_of(resources) or "?",
+                    "type": node_kind(resources) or "?",
                     "resources": {k: v for k, v in resources.items() if not k.startswith("node:") and "memory" not in k},
                 }
             )

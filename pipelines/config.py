@@ -367,6 +367,15 @@ def node_type_of(resources: dict[str, float]) -> str | None:
     return next((key[len(NODE_TYPE_RESOURCE) :] for key in resources if key.startswith(NODE_TYPE_RESOURCE)), None)
 
 
+def node_kind(resources: dict[str, float]) -> str | None:
+    """A Ray node's cluster.yaml type from its resources, `head` for the head node, else None.
+
+    >>> node_kind({"CPU": 1.0, "raypo_node:rollout": 1000.0}), node_kind({"node:__internal_head__": 1.0}), node_kind({})
+    ('rollout', 'head', None)
+    """
+    return node_type_of(resources) or ("head" if "node:__internal_head__" in resources else None)
+
+
 # The roles of a run that take a placement bundle, and the cluster.yaml node type each goes on by
 # default: the models that train on learner nodes, the ones that only run forward on rollout nodes.
 PLACED_ROLES = ("learner", "rollout", "reference", "value", "reward", "buffer", "helpers")
@@ -390,6 +399,12 @@ class ResourceConfig(Strict):
         description="the cluster.yaml node type each role is placed on (roles: " + ", ".join(PLACED_ROLES) + "); a "
         "node of type T advertises the resource raypo_node:T. Used when the cluster's nodes advertise such resources; "
         "on one machine, or for a role not named here, the role goes on any node with room",
+    )
+    placement: Literal["auto", "node_types", "anywhere"] = Field(
+        "auto",
+        description="pin roles to their resource.node_types: auto = when the cluster's nodes advertise raypo_node:<type> "
+        "now; node_types = always (the autoscaler adds nodes of those types, e.g. cluster.yaml's min_workers: 0); "
+        "anywhere = never",
     )
     placement_timeout_s: float = Field(
         600, gt=0, description="how long a run waits for the cluster (and its autoscaler) to place all its roles"
@@ -519,7 +534,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({err})") from None
-        _set_dotted(data, key.strip(), value)
+        set_dotted(data, key.strip(), value)
     return config_from_dict(data, source=str(path) if path else "overrides")
 
 
@@ -544,7 +559,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):

@@ -228,3 +228,14 @@ def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray,
     for k in w1:
         diff = np.abs(w1[k] - w2[k])
         assert diff.max() <= 2e-3 and (diff > 1e-5).mean() < 1e-3, (k, diff.max(), (diff > 1e-5).sum())
+
+
+def test_a_placement_the_cluster_cannot_give_is_named_and_freed(local_ray):
+    from actors.common import ResourceFitError
+    from actors.placement import Bundle, Placement
+
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(ResourceFitError, match=r"not placed within 2 s: no node offers learner-0 \{'CPU': 64.0\}"):
+        Placement([Bundle("learner-0", {"CPU": 64.0})], name="raypo:too-big", wait_s=2)
+    made = {k: v for k, v in ray.util.placement_group_table().items() if k not in before}
+    assert made and all(v["state"] == "REMOVED" for v in made.values()), made

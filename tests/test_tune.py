@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import load_config
+from pipelines.config import ConfigError, load_config
 from pipelines.rl.tune import concurrent_trials, load_sweep, trial_bundles, trial_config
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ RAYPO = [sys.executable, "-m", "pipelines.cli"]
 def _sweep_file(tmp_path: Path) -> Path:
     sweep = {
         "name": "ci_sweep",
-        "base": str(ROOT / "configs" / "grpo_tiny.yaml"),
+        "base": "configs/grpo_tiny.yaml",  # relative to the working directory, as a user writes it
         "overrides": {"training.steps": 6, "training.batch_size": 32, "task.eval_problems": 20, "training.warmup_steps": 0},
         # one learning rate that trains, one that wrecks the model: ASHA has a loser to stop
         "space": {"training.lr": {"choice": [1.0e-4, 5.0e-2]}},
@@ -41,15 +41,20 @@ def _sweep_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_sweep_file_keys_are_checked_before_any_trial(tmp_path):
+def test_sweep_file_keys_are_checked_before_any_trial(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
     path = _sweep_file(tmp_path)
     sweep, base = load_sweep(path)
+    assert base == ROOT / "configs" / "grpo_tiny.yaml"  # absolute: each trial runs in its own directory
     cfg = trial_config(sweep, base, {"training.lr": 0.05}, name="t", output_dir=str(tmp_path))
     assert (cfg.training.lr, cfg.training.steps, cfg.eval.every, cfg.output_dir) == (0.05, 6, 2, str(tmp_path))
-    with pytest.raises(Exception, match=r"training\.lrr: unknown key"):
+    with pytest.raises(ConfigError, match=r"training\.lrr: unknown key"):
         load_sweep(path, ["space={training.lrr: {uniform: [0.1, 0.2]}}"])
-    with pytest.raises(Exception, match=r"space\.training\.lr: uniform takes \[low, high\] with low < high"):
-        load_sweep(path, ["space={training.lr: {uniform: [0.2, 0.1]}}"])
+    with pytest.raises(ConfigError, match=r"space\.training\.lr: uniform takes \[low, high\] with low < high"):
+        load_sweep(path, ["space.training.lr={uniform: [0.2, 0.1]}"])
+    with pytest.raises(ConfigError, match=r"metric"):
+        load_sweep(path, ["metric=acuracy"])
+    assert load_sweep(path, ["asha.grace_steps=3"])[0].asha.grace_steps == 3
 
 
 def test_trials_side_by_side_are_computed_from_the_plan():

@@ -10,6 +10,8 @@ passes through the driver.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -88,6 +90,8 @@ def reading(location: str) -> Iterator[Path]:
         yield path
         return
     fs, root = _filesystem(location)
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        raise StorageError(f"{location!r} does not exist")
     with tempfile.TemporaryDirectory(prefix="raypo-download-") as tmp:
         try:
             pafs.copy_files(root, tmp, source_filesystem=fs)
@@ -162,3 +166,19 @@ def remove_dir(location: str) -> None:
     fs, path = _filesystem(location)
     with contextlib.suppress(FileNotFoundError):
         fs.delete_dir(path)
+
+
+def local_copy(location: str, cache: Path) -> Path:
+    """A local directory holding `location`: the path itself, or for a URI a copy downloaded once
+    into `cache` (keyed by the URI; renamed in whole, so a partial download is never used)."""
+    if not is_uri(location):
+        return local_path(location)
+    target = cache / "checkpoints" / hashlib.sha256(location.encode()).hexdigest()[:16]
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    with reading(location) as path:
+        shutil.copytree(path, tmp)
+    tmp.rename(target)
+    return target

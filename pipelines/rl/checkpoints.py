@@ -26,9 +26,13 @@ def save_checkpoint(roles: Roles, root: str, step: int, state: dict) -> str:
     name = f"step_{step:06d}"
     final = storage.join(root, name)
     target = final if storage.is_uri(root) else storage.join(root, f"{name}.tmp")
-    if not storage.is_uri(root):
-        storage.remove_dir(target)
+    storage.remove_dir(target)  # a crashed save's leftovers, or another learner count's shards
     roles.learners.run("save_checkpoint", target)
+    if storage.read_text(storage.join(target, "policy", "config.json")) is None:
+        raise storage.StorageError(
+            f"the learners wrote checkpoint {target!r} on their own node, where the driver cannot see it: set "
+            "training.storage_path to a directory every node shares, or to a URI (s3://, gs://)"
+        )
     if roles.value is not None:
         ray.get(roles.value.save.remote(storage.join(target, "critic")))
     storage.write_text(storage.join(target, "trainer_state.json"), json.dumps({**state, "step": step}))

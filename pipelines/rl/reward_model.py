@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ import ray
 from tqdm import tqdm
 
 from actors.buffer import ExperienceBuffer
-from actors.common import check_fit
 from actors.learner import LearnerGroup
 from actors.placement import Bundle, Placement
 from pipelines.config import RaypoConfig
@@ -33,7 +31,7 @@ from pipelines.data.storage import local_path
 from pipelines.data.tasks import Problem
 from pipelines.models.resolve import resolve_model_path
 from pipelines.rl.monitor import Sinks
-from pipelines.rl.roles import ROLE_CPUS, check_fits, cluster_has_node_types, learner_spec, resource_plan
+from pipelines.rl.roles import ROLE_CPUS, learner_spec, reserve, resource_plan
 from pipelines.rl.trainer import ray_session
 
 
@@ -96,11 +94,7 @@ def train_reward_model(cfg: RaypoConfig, address: str | None = None) -> dict:
     task = load_task(cfg, model_dir, preferences=True)  # a bad dataset stops here, before Ray starts
     started = time.monotonic()
     with ray_session(cfg, address) as local_ray:
-        cluster = ray.cluster_resources()
-        plan = rm_plan(cfg, by_node_type=cluster_has_node_types(cluster))
-        check_fit(lambda: check_fits(plan, cluster), local_ray=local_ray)
-        wait_s = 60.0 if local_ray else cfg.resource.placement_timeout_s
-        placement = Placement(plan, name=f"raypo:{cfg.name}:{os.getpid()}:rm", wait_s=wait_s)
+        placement = reserve(cfg, rm_plan, local_ray)
         try:
             rm = RewardModelTrainer(cfg, model_dir, placement)
         except BaseException:

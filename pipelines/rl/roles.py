@@ -7,15 +7,17 @@ Every role is an actor from actors/; the driver holds their handles in one typed
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from ray.actor import ActorHandle
 from ray.remote_function import RemoteFunction
+from ray.util.placement_group import PlacementGroup
 
 from actors.buffer import ExperienceBuffer
-from actors.common import ResourceFitError, cpu_shortfall
+from actors.common import ResourceFitError, check_fit, cpu_shortfall
 from actors.core.learner import LearnerSpec
 from actors.core.reward import RefreshSpec
 from actors.learner import LearnerGroup
@@ -113,6 +115,30 @@ def resource_plan(cfg: RaypoConfig, by_node_type: bool = False) -> list[Bundle]:
 def cluster_has_node_types(cluster: dict[str, float]) -> bool:
     """Whether a cluster's nodes advertise raypo node types (cluster.yaml's, or the fake cluster's)."""
     return any(key.startswith(NODE_TYPE_RESOURCE) for key in cluster)
+
+
+def pins_node_types(cfg: RaypoConfig, cluster: dict[str, float]) -> bool:
+    """Whether the run's bundles name their node types (`resource.placement`: `auto` when the
+    cluster's nodes advertise them now; `node_types` also when the autoscaler has yet to add them)."""
+    mode = cfg.resource.placement
+    return mode == "node_types" or (mode == "auto" and cluster_has_node_types(cluster))
+
+
+def reserve(
+    cfg: RaypoConfig,
+    plan_of: Callable[[RaypoConfig, bool], list[Bundle]],
+    local_ray: bool,
+    trial_group: PlacementGroup | None = None,
+) -> Placement:
+    """The run's placement group, from `plan_of(cfg, pins_node_types)`: refused at once when it
+    cannot fit a local Ray; on a joined cluster waited for (resource.placement_timeout_s); inside a
+    Tune trial, the trial's own group (Tune reserved it whole, so it fits)."""
+    cluster = ray.cluster_resources()
+    plan = plan_of(cfg, pins_node_types(cfg, cluster))
+    if trial_group is None:
+        check_fit(lambda: check_fits(plan, cluster), local_ray=local_ray)
+    wait_s = 60.0 if local_ray else cfg.resource.placement_timeout_s
+    return Placement(plan, name=f"raypo:{cfg.name}:{os.getpid()}", wait_s=wait_s, trial_group=trial_group)
 
 
 def check_fits(plan: list[Bundle], cluster: dict[str, float]) -> None:

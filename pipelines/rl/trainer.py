@@ -28,7 +28,6 @@ import ray.exceptions as rex
 from ray.util.placement_group import PlacementGroup
 from tqdm import tqdm
 
-from actors.common import check_fit
 from actors.placement import Placement
 from pipelines.config import RaypoConfig
 from pipelines.data import storage
@@ -45,7 +44,7 @@ from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at
 from pipelines.rl.ppo import ppo_step
-from pipelines.rl.roles import Roles, build_roles, check_fits, cluster_has_node_types, resource_plan
+from pipelines.rl.roles import Roles, build_roles, reserve, resource_plan
 
 MetricsCallback = Callable[[dict], None]
 
@@ -277,12 +276,7 @@ def train(
     model_dir = resolve_model_path(cfg)
     task = load_task(cfg, model_dir)  # a bad dataset stops the run here, before Ray and its actors start
     with ray_session(cfg, address) as local_ray:
-        cluster = ray.cluster_resources()
-        plan = resource_plan(cfg, by_node_type=cluster_has_node_types(cluster))
-        if trial_group is None:  # a trial's group was reserved whole by Tune: it fits
-            check_fit(lambda: check_fits(plan, cluster), local_ray=local_ray)
-        wait_s = 60.0 if local_ray else cfg.resource.placement_timeout_s
-        placement = Placement(plan, name=f"raypo:{cfg.name}:{os.getpid()}", wait_s=wait_s, trial_group=trial_group)
+        placement = reserve(cfg, resource_plan, local_ray, trial_group)
         try:
             trainer = Trainer(cfg, model_dir, task, placement, on_metrics)
         except BaseException:

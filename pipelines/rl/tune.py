@@ -30,9 +30,9 @@ from ray.util.placement_group import get_current_placement_group
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.config import ConfigError, RaypoConfig, Strict, config_from_dict, load_config
+from pipelines.config import ConfigError, RaypoConfig, Strict, config_from_dict, load_config, set_dotted
 from pipelines.data import storage
-from pipelines.rl.roles import cluster_has_node_types, resource_plan
+from pipelines.rl.roles import pins_node_types, resource_plan
 from pipelines.rl.trainer import TrainingError, root_cause, train
 
 # A search dimension: {uniform: [lo, hi]}, {loguniform: [lo, hi]}, {randint: [lo, hi]} (hi
@@ -40,6 +40,8 @@ from pipelines.rl.trainer import TrainingError, root_cause, train
 # The key of a trial's last report, after its whole run (Tune's own `done` is set for stopped trials too).
 FINISHED = "run_finished"
 DISTRIBUTIONS = {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint, "choice": tune.choice}
+# The key of a trial's last report, after its whole run (Tune's own `done` is set for stopped trials too).
+FINISHED = "run_finished"
 
 
 class AshaConfig(Strict):
@@ -54,11 +56,13 @@ class SweepConfig(Strict):
     base: str = Field(..., description="the preset every trial starts from (relative to the working dir or this file)")
     overrides: dict[str, Any] = Field(default_factory=dict, description="config keys fixed for every trial")
     space: dict[str, dict[str, list]] = Field(..., description="config key -> {uniform|loguniform|randint|choice: [...]}")
-    metric: str = Field("accuracy", description="held-out evaluation metric ASHA and the search optimise")
+    metric: Literal["accuracy", "pass_rate", "reward_mean", "pass_at_k", "sampled_pass_rate"] = Field(
+        "accuracy", description="held-out evaluation metric ASHA and the search optimise"
+    )
     mode: Literal["max", "min"] = Field("max", description="whether the metric is better higher or lower")
     num_samples: int = Field(12, ge=1, description="trials")
     report_every: int = Field(10, ge=1, description="steps between held-out evaluations reported to Tune")
-    asha: AshaConfig = Field(default_factory=AshaConfig)
+    asha: AshaConfig = Field(default_factory=AshaConfig, description="ASHA early stopping, in training steps")
     max_concurrent_trials: int | None = Field(None, ge=1, description="most trials at once (default: as many as fit)")
     storage_path: str = Field("runs", description="a directory or URI for the sweep's state, trials and results")
     seed: int = Field(0, description="seed of the TPE sampler")
@@ -90,7 +94,11 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        data[key.strip()] = yaml.safe_load(raw)
+        if key.strip().split(".")[0] in ("space", "overrides") and "." in key:  # space.training.lr: one dimension
+            section, _, inner = key.strip().partition(".")
+            data.setdefault(section, {})[inner] = yaml.safe_load(raw)
+        else:
+            set_dotted(data, key.strip(), yaml.safe_load(raw))
     try:
         sweep = SweepConfig.model_validate(data)
     except ValueError as err:
@@ -98,6 +106,7 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
     base = Path(sweep.base)
     if not base.is_file() and (path.parent / base).is_file():
         base = path.parent / base
+    base = base.resolve()  # absolute: Tune runs each trial in its own directory
     for params in (_corner(sweep, 0), _corner(sweep, -1)):  # both ends of every dimension
         trial_config(sweep, base, params, name="check", output_dir="runs")
     return sweep, base
@@ -123,6 +132,11 @@ def trial_config(sweep: SweepConfig, base: Path, params: dict, name: str, output
     return config_from_dict(data, source=f"sweep trial {params}")
 
 
+def _probe(cfg: SweepConfig, base: Path, params: dict | None = None) -> RaypoConfig:
+    """A trial's config for planning (its name and outputs do not matter)."""
+    return trial_config(cfg, base, params or {}, name="probe", output_dir="runs")
+
+
 def trial_bundles(cfg: RaypoConfig, by_node_type: bool) -> list[dict[str, float]]:
     """What a trial reserves as one gang: an empty bundle for its driver, then the run's plan."""
     return [{}] + [dict(b.resources) for b in resource_plan(cfg, by_node_type)]
@@ -146,6 +160,7 @@ def run_trial(params: dict, sweep: SweepConfig, base: str) -> None:
 
 @dataclass
 class SweepResult:
+    sweep: SweepConfig
     rows: list[dict]  # one per trial: its values, status, steps run, last metric
     best: dict | None  # the best finished trial's row
     table_path: str
@@ -164,17 +179,19 @@ def sweep(sweep_file: str | Path, overrides: list[str] = (), resume: bool = Fals
         ray.init(address=address, log_to_driver=True)
     try:
         cluster = ray.cluster_resources()
-        by_node_type = cluster_has_node_types(cluster)
-        probe = trial_config(cfg, base, _corner(cfg, -1), name="probe", output_dir="runs")
+        by_node_type = pins_node_types(_probe(cfg, base), cluster)
+        # every trial plans as the sweep decided here, whatever nodes the cluster has when it starts
+        cfg = cfg.model_copy(
+            update={"overrides": {**cfg.overrides, "resource.placement": "node_types" if by_node_type else "anywhere"}}
+        )
+        probe = _probe(cfg, base, _corner(cfg, -1))
         concurrent = concurrent_trials(trial_bundles(probe, by_node_type), cluster, cfg.max_concurrent_trials)
         print(
             f"each trial reserves {_describe(trial_bundles(probe, by_node_type))}; {concurrent} trial(s) at once on this cluster"
         )
         trainable = tune.with_resources(
             tune.with_parameters(run_trial, sweep=cfg, base=str(base)),
-            lambda params: tune.PlacementGroupFactory(
-                trial_bundles(trial_config(cfg, base, params, "probe", "runs"), by_node_type), strategy="PACK"
-            ),
+            lambda params: tune.PlacementGroupFactory(trial_bundles(_probe(cfg, base, params), by_node_type), strategy="PACK"),
         )
         if resume:
             if not tune.Tuner.can_restore(sweep_dir):
@@ -226,7 +243,7 @@ def _space(cfg: SweepConfig) -> dict:
 
 
 def _tune_config(cfg: SweepConfig, base: Path, concurrent: int) -> tune.TuneConfig:
-    steps = trial_config(cfg, base, {}, "probe", "runs").training.steps
+    steps = _probe(cfg, base).training.steps
     return tune.TuneConfig(
         metric=cfg.metric,
         mode=cfg.mode,
@@ -249,7 +266,7 @@ def _run_config(cfg: SweepConfig, root: str) -> tune.RunConfig:
 def _summarise(cfg: SweepConfig, base: Path, grid: tune.ResultGrid, sweep_dir: str) -> SweepResult:
     """The results table (printed, and saved as results.csv and results.json in the sweep's
     directory), the compute ASHA saved, and the best finished trial written as a preset."""
-    steps = trial_config(cfg, base, {}, "probe", "runs").training.steps
+    steps = _probe(cfg, base).training.steps
     rows = []
     for result in grid:
         metrics = result.metrics or {}
@@ -273,15 +290,17 @@ def _summarise(cfg: SweepConfig, base: Path, grid: tune.ResultGrid, sweep_dir: s
     if best is not None:
         preset_path = storage.join(sweep_dir, "best.yaml")
         storage.write_text(preset_path, best_preset(cfg, base, best))
-    return SweepResult(rows, best, table_path, preset_path, sum(r["steps"] for r in rows), steps * len(rows))
+    return SweepResult(cfg, rows, best, table_path, preset_path, sum(r["steps"] for r in rows), steps * len(rows))
 
 
 def best_preset(cfg: SweepConfig, base: Path, best: dict) -> str:
-    """The best trial's whole config as a preset for `raypo train -c` (eval and outputs as the base's)."""
+    """The best trial's whole config as a preset for `raypo train -c` (evaluation and outputs as
+    the base preset's: the sweep's evaluation settings serve ASHA, not the run)."""
     params = {key: best[key] for key in cfg.space}
-    trial = trial_config(cfg, base, params, name=f"{cfg.name}_best", output_dir=load_config(base).output_dir)
+    base_cfg = load_config(base)
+    trial = trial_config(cfg, base, params, name=f"{cfg.name}_best", output_dir=base_cfg.output_dir)
     data = trial.model_dump(mode="json")
-    data["eval"]["every"] = load_config(base).eval.every
+    data["eval"] = base_cfg.eval.model_dump(mode="json")
     header = (
         f"# Best trial {best['trial']} of sweep {cfg.name} ({cfg.num_samples} trials): held-out {cfg.metric} "
         f"{best[cfg.metric]:.4g} after {best['steps']} steps.\n# Base preset {base}; swept: "
@@ -303,7 +322,8 @@ def format_table(result: SweepResult, cfg: SweepConfig) -> Table:
     return table
 
 
-def print_summary(result: SweepResult, cfg: SweepConfig) -> None:
+def print_summary(result: SweepResult) -> None:
+    cfg = result.sweep
     Console().print(format_table(result, cfg))
     saved = 1 - result.steps_run / max(result.steps_without_asha, 1)
     print(f"steps run: {result.steps_run} of {result.steps_without_asha} without early stopping (ASHA saved {saved:.0%})")
