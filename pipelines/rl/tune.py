@@ -318,13 +318,15 @@ def format_table(result: SweepResult, cfg: SweepConfig) -> Table:
     for row in sorted(
         result.rows, key=lambda r: (r[cfg.metric] is None, -(r[cfg.metric] or 0) if cfg.mode == "max" else r[cfg.metric] or 0)
     ):
-        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+        table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()))
     return table
 
 
 def print_summary(result: SweepResult) -> None:
     cfg = result.sweep
-    Console().print(format_table(result, cfg))
+    console = Console()
+    console.width = max(console.width, 160)  # a log file or pipe gets 80 columns, too narrow for the swept keys
+    console.print(format_table(result, cfg))
     saved = 1 - result.steps_run / max(result.steps_without_asha, 1)
     print(f"steps run: {result.steps_run} of {result.steps_without_asha} without early stopping (ASHA saved {saved:.0%})")
     print(f"results: {result.table_path}")
