@@ -110,13 +110,13 @@ def cmd_train_rm(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint over the OpenAI API until interrupted, or operate on a running app."""
-    import ray
+    from actors.common import connect_ray
 
     if args.action != "start":
         from serve import ops
 
         try:
-            ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+            connect_ray(args.address, join_only=True, log_to_driver=False)
         except ConnectionError as err:
             print(f"raypo serve {args.action}: no running Ray cluster to talk to ({err})", file=sys.stderr)
             return 1
@@ -152,6 +152,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from actors.common import connect_ray
     from serve.app import ServeArgs, build_app, ensure_fits
 
     if not args.checkpoint:
@@ -177,10 +178,13 @@ def _serve_forever(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack, for a hang
     own_the_stop_signals()
     try:
-        address = args.address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False)
         try:
-            ensure_fits(serve_args, ray.cluster_resources(), local_ray=not address)
+            local_ray = connect_ray(args.address, include_dashboard=False)
+        except ConnectionError as err:
+            print(f"raypo serve: error: {err}", file=sys.stderr)
+            return 1
+        try:
+            ensure_fits(serve_args, ray.cluster_resources(), local_ray=local_ray)
         except RuntimeError as err:  # ResourceFitError: the app cannot fit this local Ray
             print(f"raypo serve: error: {err}", file=sys.stderr)
             ray.shutdown()

@@ -10,7 +10,7 @@ values fail with a `ConfigError` naming the dotted key, and so do combinations t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -22,6 +22,21 @@ class ConfigError(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_none(cls, data):
+        """`key: ""` reads as `key:` (null) wherever the field may be empty (the descriptions' `empty = ...`)."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: None if v == "" and k in cls.model_fields and _may_be_none(cls.model_fields[k].annotation) else v
+            for k, v in data.items()
+        }
+
+
+def _may_be_none(annotation) -> bool:
+    return type(None) in get_args(annotation)
 
 
 # ----------------------------------------------------------------------------- tasks

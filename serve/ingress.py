@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import time
 from pathlib import Path
@@ -37,6 +38,40 @@ def openai_error(status: int, message: str, kind: str):
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+NEEDS_CONTENT = ("system", "developer", "user", "tool")  # an assistant turn may carry tool calls instead
+
+
+def chat_messages_problem(body) -> str | None:
+    """What is wrong with a chat request's `messages` under the OpenAI schema (each a {role,
+    content} object, content a string or a list of typed parts), naming the field; None if nothing.
+
+    >>> chat_messages_problem({"messages": [{"role": "user", "content": "hi"}]}) is None
+    True
+    >>> chat_messages_problem({"messages": [{"role": "wizard"}]})
+    "messages[0].role: 'wizard' is not one of system, developer, user, assistant, tool"
+    >>> chat_messages_problem({"messages": [{"role": "system", "content": "be brief"}, {"role": "user"}]})
+    "messages[1].content: required for role 'user'"
+    """
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "messages: must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            return f"{where}: must be an object with role and content, got {type(message).__name__}"
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            return f"{where}.role: {role!r} is not one of {', '.join(CHAT_ROLES)}"
+        if content is None and (role in NEEDS_CONTENT or not message.get("tool_calls")):
+            return f"{where}.content: required for role {role!r}"
+        if content is not None and not isinstance(content, str | list):
+            return f"{where}.content: must be a string or a list of content parts, got {type(content).__name__}"
+        if isinstance(content, list) and not all(isinstance(part, dict) and "type" in part for part in content):
+            return f"{where}.content: each part must be an object with a type (e.g. {{type: text, text: ...}})"
+    return None
+
+
 def make_fastapi_app(key_file: str | None):
     """Ray's router app (its middleware: errors, CORS, metrics, request ids) plus the key check."""
     from starlette.exceptions import HTTPException
@@ -54,6 +89,14 @@ def make_fastapi_app(key_file: str | None):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
                 return openai_error(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_request_error")
+        if request.method == "POST" and request.url.path == "/v1/chat/completions":
+            # Checked here, before the engine: it would otherwise answer a message with no content.
+            try:
+                problem = chat_messages_problem(json.loads(await request.body()))
+            except ValueError:
+                problem = None  # not JSON: the router's own 400 names that
+            if problem:
+                return openai_error(400, problem, "invalid_request_error")
         return await call_next(request)
 
     return app

@@ -162,3 +162,17 @@ def test_config_takes_a_dataset_or_a_built_in_task_not_both(tmp_path):
     assert cfg.task.dataset.path == "data.jsonl" and cfg.task.dataset.prompt_key == "prompt"
     with pytest.raises(ValueError, match="task.task and task.dataset are both set"):
         load_config(None, ["task.dataset.path=data.jsonl", "task.task.name=reverse"])
+
+
+@pytest.mark.parametrize("written", ['""', "", "null"])
+def test_an_empty_answer_key_means_no_answer_column(tmp_path, tokenizer, written):
+    """README: `answer_key:` empty = no answer column, whether written `""`, blank or null; the
+    rows load (none is called malformed) and no reward sees an `answer`."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": r["prompt"], "level": r["level"]} for r in ROWS])
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"task:\n  dataset:\n    path: {data}\n    answer_key: {written}\n")
+    cfg = load_config(preset)
+    assert cfg.task.dataset.answer_key is None
+    task = load_dataset_task(cfg.task.dataset, tokenizer)
+    problems = task.problems["train"] + task.problems["heldout"]
+    assert len(problems) == 40 and "answer" not in reward_fields(problems)

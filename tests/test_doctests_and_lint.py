@@ -34,6 +34,7 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.rl.roles",
     "pipelines.rl.trainer",
     "pipelines.rl.tune",
+    "serve.ingress",
 ]
 
 

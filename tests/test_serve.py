@@ -142,6 +142,25 @@ def test_bad_requests_get_openai_style_4xx_and_the_server_keeps_answering(server
     assert ok == 200 and answer["choices"][0]["text"]
 
 
+CHAT = {"model": "raypo-policy", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([{"role": "wizard"}], "messages[0].role: 'wizard' is not one of"),
+        ([{"role": "user"}], "messages[0].content: required for role 'user'"),
+        ([{"role": "user", "content": "hi"}, {"role": "user", "content": 7}], "messages[1].content: must be a string"),
+        ([], "messages: must be a non-empty list"),
+        (["hi"], "messages[0]: must be an object"),
+    ],
+    ids=["unknown-role", "no-content", "content-not-text", "empty", "not-an-object"],
+)
+def test_chat_messages_off_the_openai_schema_get_400_naming_the_field(server, messages, field):
+    got, error = _request(f"{server}/v1/chat/completions", body={**CHAT, "messages": messages})
+    assert got == 400 and error["error"]["message"].startswith(field), error
+
+
 def test_overload_gets_503_at_once_not_a_hang(server):
     """8 requests run (2 replicas x 4), 4 wait; the rest of 40 concurrent long requests get 503."""
     import threading

@@ -28,6 +28,7 @@ import ray.exceptions as rex
 from ray.util.placement_group import PlacementGroup
 from tqdm import tqdm
 
+from actors.common import connect_ray
 from actors.placement import Placement
 from pipelines.config import RaypoConfig
 from pipelines.data import storage
@@ -296,12 +297,10 @@ def ray_session(cfg: RaypoConfig, address: str | None = None) -> Iterator[bool]:
     pin_cpus(cfg.resource.cpu_affinity)
     started_ray = False
     if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine by Ray
-            started_ray = True
+        try:
+            started_ray = connect_ray(address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as err:
+            raise TrainingError(str(err)) from err
     # Only the main thread may set a signal handler; a Tune trial or a caller's thread leaves
     # SIGTERM to whoever owns the process.
     on_main_thread = threading.current_thread() is threading.main_thread()

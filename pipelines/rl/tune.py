@@ -30,6 +30,7 @@ from ray.util.placement_group import get_current_placement_group
 from rich.console import Console
 from rich.table import Table
 
+from actors.common import connect_ray
 from pipelines.config import ConfigError, RaypoConfig, Strict, config_from_dict, load_config, set_dotted
 from pipelines.data import storage
 from pipelines.rl.roles import pins_node_types, resource_plan
@@ -176,7 +177,7 @@ def sweep(sweep_file: str | Path, overrides: list[str] = (), resume: bool = Fals
     sweep_dir = storage.join(root, cfg.name)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, log_to_driver=True)
+        connect_ray(address, log_to_driver=True)
     try:
         cluster = ray.cluster_resources()
         by_node_type = pins_node_types(_probe(cfg, base), cluster)
