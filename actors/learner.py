@@ -54,6 +54,9 @@ class LearnerActor:
     def pair_logprobs(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.learner.pair_logprobs(pairs)
 
+    def set_lr_scale(self, scale: float) -> None:
+        self.learner.set_lr_scale(scale)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.learner.state_dict()
 

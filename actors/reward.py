@@ -3,15 +3,18 @@ reward model (a `model:` term) on recent samples when told to (`reward.refresh_e
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
+import json
 from collections.abc import Sequence
 
 import numpy as np
 import ray
 
+from actors.common import on_this_node
 from actors.core.reward import RefreshSpec, RewardScorer
 from pipelines.data.preferences import PreferencePair, pairs_from_samples
 from pipelines.data.rewards import load_reward, score
+from pipelines.data.storage import reading, writing
 from pipelines.data.tasks import in_heldout
 
 
@@ -27,18 +30,21 @@ class RewardActor:
         self.scorer = RewardScorer(terms, normalize=normalize, value_range=value_range)
         self.refresh_spec = refresh
         self.labeler = load_reward(refresh.labels) if refresh else None
-        self.recent: deque[list[PreferencePair]] = deque(maxlen=refresh.window if refresh else 1)
+        self.recent: dict[int, list[PreferencePair]] = {}  # step -> its labelled pairs, for the next refresh
         self.refreshes = 0
 
-    def score(self, batch: dict[str, np.ndarray], fields: dict[str, list]) -> np.ndarray:
+    def score(self, batch: dict[str, np.ndarray], fields: dict[str, list], step: int = -1) -> np.ndarray:
         """One reward per row of a rollout batch. `fields` are per prompt (column -> one value per
         prompt); each row gets its prompt's, so the reward functions see one value per sample.
-        With a refresh set, the samples are also labelled and kept as pairs for the next one."""
+        With a refresh set, the samples are also labelled and kept as `step`'s pairs for the next
+        one (a retried call replaces them: scoring a step twice counts it once)."""
         per_row = {k: [values[i] for i in batch["prompt_index"]] for k, values in fields.items()}
         prompts, completions = list(batch["prompt_text"]), list(batch["response_text"])
         if self.labeler is not None:
             labels = score(self.labeler, prompts, completions, name=self.refresh_spec.labels, **per_row)
-            self.recent.append(pairs_from_samples(prompts, completions, labels, batch["prompt_index"]))
+            self.recent[step] = pairs_from_samples(prompts, completions, labels, batch["prompt_index"])
+            for old in sorted(self.recent)[: -self.refresh_spec.window]:
+                del self.recent[old]
         return self.scorer.score(prompts, completions, **per_row)
 
     def refresh(self, heldout: list[PreferencePair]) -> dict[str, float]:
@@ -48,7 +54,7 @@ class RewardActor:
         samples), and on the fixed `heldout` pairs (`rm_tau_heldout_*`); how far its scores of
         those moved (`rm_heldout_score_shift`, mean absolute change); and how many pairs it trained on."""
         model, spec = self.scorer.model_term(), self.refresh_spec
-        pairs = [p for step in self.recent for p in step]
+        pairs = [p for step in sorted(self.recent) for p in self.recent[step]]
         # a salted hash: the training prompts are all outside the task's own held-out hash bucket
         checked = [in_heldout(f"rm refresh check:{p.prompt}") for p in pairs]
         checks = {"recent": [p for p, c in zip(pairs, checked, strict=True) if c], "heldout": heldout}
@@ -65,6 +71,31 @@ class RewardActor:
             | {f"rm_tau_{name}_before": tau for name, (tau, _) in before.items()}
             | {f"rm_tau_{name}_after": tau for name, (tau, _) in after.items()}
         )
+
+    def save(self, location: str) -> None:
+        """The refreshed reward model (Hugging Face format) and the pairs waiting for the next
+        refresh, under `location` (nothing without a refresh: the reward is then fixed)."""
+        if self.labeler is None:
+            return
+        model = self.scorer.model_term()
+        with on_this_node("reward", "write", location), writing(location) as path:
+            model.model.save_pretrained(path / "model", safe_serialization=True)
+            model.tokenizer.save_pretrained(path / "model")
+            pending = {step: [dataclasses.asdict(p) for p in pairs] for step, pairs in self.recent.items()}
+            (path / "refresh_state.json").write_text(json.dumps({"refreshes": self.refreshes, "recent": pending}))
+
+    def load(self, location: str) -> None:
+        """Restore what `save` wrote: the reward model's weights, the refresh count and pending pairs."""
+        if self.labeler is None:
+            return
+        from safetensors.torch import load_file  # torch: only a refreshed model: term needs it
+
+        with on_this_node("reward", "read", location), reading(location) as path:
+            model = self.scorer.model_term()
+            model.model.load_state_dict(load_file(str(path / "model" / "model.safetensors")))
+            state = json.loads((path / "refresh_state.json").read_text())
+        self.refreshes = state["refreshes"]
+        self.recent = {int(step): [PreferencePair(**p) for p in pairs] for step, pairs in state["recent"].items()}
 
     def scores_by_term(self, prompts: Sequence[str], completions: Sequence[str], fields: dict[str, list]) -> dict:
         """Each term's scores and the combined raw reward (`combined`) per completion, for evaluation."""

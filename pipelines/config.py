@@ -351,6 +351,14 @@ class TrainingConfig(Strict):
     )
     epochs: int = Field(1, ge=1, description="passes over each step's experience")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = Field(3, ge=0, description="keep the newest N checkpoints, deleting older ones (0 = keep all)")
+    rollback_after: int = Field(
+        5,
+        ge=0,
+        description="after this many steps in a row whose update failed (non-finite loss or gradient), roll the "
+        "learners and engines back to the last good checkpoint (0 = never)",
+    )
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="multiply the learning rate by this at each rollback")
     spill_experience: bool = Field(False, description="write each step's experience to runs/<name>/experience/*.parquet")
     storage_path: str | None = Field(
         None,
@@ -475,6 +483,15 @@ class MonitorConfig(Strict):
     reward_drop_steps: int = Field(5, ge=1, description="... on this many consecutive steps")
     reward_window: int = Field(100, ge=1, description="steps in the reward trend window")
     print_every: int = Field(10, ge=1, description="print each kind of alert at most once per this many steps")
+    update_success_alert: float = Field(
+        0.999, ge=0, le=1, description="warn when the run's share of updates that succeeded falls below this"
+    )
+
+
+class ChaosConfig(Strict):
+    """Fault injection, for testing that a run survives its failures (bench/chaos.py); off by default."""
+
+    nan_loss_steps: list[int] = Field([], description="the updates of these steps get a NaN loss, as a diverged model's would")
 
 
 # ----------------------------------------------------------------------------- root
@@ -496,6 +513,7 @@ class RaypoConfig(Strict):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig, description="fault injection for recovery tests (off)")
 
     @model_validator(mode="after")
     def _rl_samples(self):

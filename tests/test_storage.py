@@ -59,3 +59,38 @@ def test_a_uri_checkpoint_is_downloaded_once_for_serving(tmp_path):
 def test_an_unknown_scheme_is_named():
     with pytest.raises(storage.StorageError, match=r"storage 'nosuch://x/y': pyarrow cannot open it"):
         storage.read_text("nosuch://x/y")
+
+
+def test_a_manifest_tells_a_whole_directory_from_a_corrupt_truncated_or_unfinished_one(root, tmp_path):
+    location = storage.join(root, "r", "checkpoints", "step_000002")
+    with storage.writing(location) as out:
+        (out / "policy").mkdir()
+        (out / "policy" / "model.safetensors").write_bytes(b"w" * 10_000)
+        (out / "trainer_state.json").write_text('{"step": 2}')
+    assert storage.manifest_problem(location) == "no MANIFEST.json (its save did not finish)"
+    files = storage.write_manifest(location)
+    assert (
+        sorted(files) == ["policy/model.safetensors", "trainer_state.json"]
+        and files["policy/model.safetensors"]["bytes"] == 10_000
+    )
+    assert storage.manifest_problem(location) is None
+    on_disk = tmp_path / "runs" / "r" / "checkpoints" / "step_000002" / "policy" / "model.safetensors"
+    on_disk.write_bytes(b"w" * 4_000 + b"x" * 4_096 + b"w" * 1_904)  # garbage of the same size
+    assert storage.manifest_problem(location) == "policy/model.safetensors does not match its checksum (corrupted)"
+    on_disk.write_bytes(b"w" * 5_000)
+    assert storage.manifest_problem(location) == (
+        "policy/model.safetensors has 5000 bytes, 10000 when saved (truncated or overwritten)"
+    )
+    on_disk.unlink()
+    assert storage.manifest_problem(location) == "policy/model.safetensors is missing"
+    assert storage.list_dirs(storage.join(root, "r", "checkpoints")) == ["step_000002"]
+
+
+def test_replace_dir_swaps_a_directory_in_whole(tmp_path):
+    old, new = tmp_path / "step_000001", tmp_path / "step_000001.tmp"
+    old.mkdir()
+    (old / "a").write_text("old")
+    new.mkdir()
+    (new / "a").write_text("new")
+    storage.replace_dir(str(new), str(old))
+    assert (old / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]

@@ -48,13 +48,13 @@ def _cfg(tmp_path, preset, *overrides):
     return load_config(CONFIGS / preset, [*SMALL, f"output_dir={tmp_path}", *overrides])
 
 
-def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_model, tmp_path):
+def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_model, tmp_path, capsys):
     cfg = _cfg(
         tmp_path,
         "grpo_tiny.yaml",
         "name=g",
         "training.steps=3",
-        "training.save_every=2",
+        "training.save_every=1",
         "training.spill_experience=true",
         "algo.group_growth=0.5",
         "algo.group_growth_every=2",
@@ -96,13 +96,36 @@ def test_grpo_run_moves_parameters_writes_outputs_and_resumes(local_ray, tiny_mo
     after = load_file(str(run / "final" / "model.safetensors"))
     assert any(not np.array_equal(before[k], after[k]) for k in before), "parameters did not move"
 
-    # --resume continues from step 3 to 5, and the metrics keep one line per step
+    # The newest checkpoint corrupted (4 KB of garbage in its weights), the one before truncated
+    # (its optimizer state cut short): --resume names both and takes step 1, the newest whole one.
+    ckpts = run / "checkpoints"
+    with open(ckpts / "step_000003" / "policy" / "model.safetensors", "r+b") as f:
+        f.seek(4096)
+        f.write(os.urandom(4096))
+    optimizer_state = max((ckpts / "step_000002" / "deepspeed").rglob("*"), key=lambda p: p.stat().st_size)
+    os.truncate(optimizer_state, optimizer_state.stat().st_size // 2)
+    capsys.readouterr()
     resumed = train(cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": 5})}), resume=True)
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    said = capsys.readouterr()
+    assert "skipped checkpoint step_000003: policy/model.safetensors does not match its checksum" in said.err
+    assert (
+        f"skipped checkpoint step_000002: deepspeed/{optimizer_state.relative_to(ckpts / 'step_000002' / 'deepspeed')} has"
+        in said.err
+    )
+    assert "resumed from" in said.out and "step_000001 at step 1" in said.out
+    # the metrics keep one line per step, and the resumed steps equal the uninterrupted run's (exact resume)
+    again = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in again] == [0, 1, 2, 3, 4]
+    for before, after in zip(lines[1:3], again[1:3], strict=True):
+        assert {k: after[k] for k in EXACT} == {k: before[k] for k in EXACT}, before["step"]
     assert resumed["steps"] == 5 and resumed["eval_accuracy_start"] == summary["eval_accuracy_start"]
-    state = json.loads((run / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
+    state = json.loads((ckpts / "step_000005" / "trainer_state.json").read_text())
     assert state["step"] == 5
+    # training.keep_checkpoints (3): the older ones are gone
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000003", "step_000004", "step_000005"]
+
+
+EXACT = ("loss", "pg_loss", "reward_mean", "reward_std", "kl", "grad_norm", "response_length")  # equal after a resume
 
 
 def test_a_run_on_uri_storage_writes_there_through_pyarrow_and_resumes_from_it(local_ray, tiny_model, tmp_path):
@@ -273,3 +296,35 @@ def test_gspo_preset_improves_held_out_accuracy(local_ray, tiny_model, tmp_path)
     assert all(m["clip_eps"] == pytest.approx(3e-4) for m in lines)
     assert summary["eval_end"]["reward_mean/answer_format"] is not None  # both terms were scored
     assert summary["eval_accuracy_end"] - summary["eval_accuracy_start"] >= GSPO_MIN_GAIN, summary
+
+
+def test_five_failed_updates_in_a_row_roll_back_and_lower_the_learning_rate(local_ray, tiny_model, tmp_path, capsys):
+    """The seeds' rule: the updates of steps 2-6 get a NaN loss (chaos.nan_loss_steps); each is
+    skipped and counted; after the fifth the run rolls back to step 2's checkpoint (from before the
+    first failure) with the learning rate halved, and trains on."""
+    cfg = _cfg(
+        tmp_path,
+        "grpo_tiny.yaml",
+        "name=nan",
+        "training.steps=8",
+        "training.save_every=1",
+        "training.keep_checkpoints=0",
+        "training.warmup_steps=0",
+        "chaos.nan_loss_steps=[2,3,4,5,6]",
+    )
+    summary = train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update_success"] for m in lines] == [1, 1, 0, 0, 0, 0, 0, 1]
+    assert [m["failed_updates_in_a_row"] for m in lines] == [0, 0, 1, 2, 3, 4, 5, 0]  # a new count after the rollback
+    assert lines[6]["rollback_to"] == 2 and lines[6]["lr_scale"] == 0.5
+    assert [m.get("rollback_to") for m in lines].count(None) == 7
+    assert lines[7]["lr"] == pytest.approx(0.5 * cfg.training.lr) and lines[1]["lr"] == pytest.approx(cfg.training.lr)
+    assert lines[7]["update_success_rate"] == pytest.approx(3 / 8)
+    assert any("update success rate 0.3750 < 0.999" in alert for alert in lines[7]["alerts"])
+    assert "rolled back to" in capsys.readouterr().err and summary["steps"] == 8
+    # the skipped updates left the weights as they were: step 2's checkpoint equals step 7's
+    ckpts = tmp_path / "nan" / "checkpoints"
+    two, seven = (load_file(str(ckpts / f"step_00000{i}" / "policy" / "model.safetensors")) for i in (2, 7))
+    assert all(np.array_equal(two[k], seven[k]) for k in two)
+    state = json.loads((ckpts / "step_000008" / "trainer_state.json").read_text())
+    assert state["lr_scale"] == 0.5  # a resume keeps the lowered learning rate

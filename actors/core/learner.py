@@ -9,6 +9,7 @@ world's update equals one learner's update on the whole batch, whatever the worl
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class Learner:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.steps_done = 0
         self.optimizer_steps = 0
+        self.lr_scale = 1.0  # lowered by the driver's rollback after failed updates
 
     @property
     def model(self):
@@ -179,6 +181,8 @@ class Learner:
             kl_term = masked_aggregate(kl_penalty(full_logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl_term
+        if spec.poisoned:
+            total = total * float("nan")
             with torch.no_grad():  # the value to watch: k3 per token (unbiased for KL(pi || pi_ref) untruncated)
                 kl = masked_aggregate(kl_penalty(full_logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
         local = {
@@ -196,19 +200,23 @@ class Learner:
         """One optimizer step on this rank's share `total` of a minibatch's loss; `local` are the
         rank's metrics, each world_size x its share of the minibatch's value (so their mean over
         ranks is it)."""
+        skipped = dict.fromkeys([*local, "grad_norm", "lr"], float("nan")) | {"update_success": 0.0}
         if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
             # A non-finite loss would poison the weights: skip this update, report it.
             self.engine.zero_grad()
-            return dict.fromkeys([*local, "grad_norm"], float("nan")) | {"update_success": 0.0}
-        self._set_lr()
+            return skipped
+        lr = self._set_lr()
         self.engine.backward(total)
         # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
-        # averaged over ranks here, so the norm read off them is the global one.
+        # averaged over ranks here, so the norm read off them is the global one (the same on every rank).
         grad_norm = (
             None
             if self.spec.zero_stage
             else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]).item()
         )
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            self.engine.zero_grad()  # a non-finite gradient: the same skip
+            return skipped
         self.engine.step()
         self.optimizer_steps += 1
         if grad_norm is None:
@@ -217,6 +225,7 @@ class Learner:
         # ranks is the whole batch's loss. Ratios (clip fraction, approx KL): the mean of the ranks'.
         out = {k: v / self.world_size for k, v in self._sum_over_ranks(local).items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        out["lr"] = lr
         out["update_success"] = 1.0
         return out
 
@@ -286,10 +295,17 @@ class Learner:
         chunks = [np.arange(start, min(n, start + chunk)) for start in range(0, n, chunk)]
         return {f"{prefix}_{side}": torch.cat([per_side(rows, side) for rows in chunks]).numpy() for side in COMPLETIONS}
 
-    def _set_lr(self) -> None:
-        scale = min(1.0, (self.optimizer_steps + 1) / self.spec.warmup_steps) if self.spec.warmup_steps else 1.0
+    def _set_lr(self) -> float:
+        """The next optimizer step's learning rate (warmup, times the rollbacks' scale), set and returned."""
+        warmup = min(1.0, (self.optimizer_steps + 1) / self.spec.warmup_steps) if self.spec.warmup_steps else 1.0
+        lr = self.spec.lr * warmup * self.lr_scale
         for group in self.engine.optimizer.param_groups:
-            group["lr"] = self.spec.lr * scale
+            group["lr"] = lr
+        return lr
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the learning rate from the next update on (the driver lowers it after a rollback)."""
+        self.lr_scale = scale
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         if self.world_size == 1:

@@ -38,6 +38,7 @@ class LossSpec:
     kl_coef: float = 0.001
     kl_kind: str = "k2"
     entropy_coef: float = 0.01
+    poisoned: bool = False  # fault injection (config `chaos.nan_loss_steps`): this update's loss is NaN, as a diverged one's
 
 
 @dataclass(frozen=True)

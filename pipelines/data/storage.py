@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -118,8 +119,12 @@ def write_text(location: str, text: str) -> None:
         path = local_path(location)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(path)
+        _fsync_dir(path.parent)
         return
     fs, path = _filesystem(location)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
@@ -182,3 +187,99 @@ def local_copy(location: str, cache: Path) -> Path:
         shutil.copytree(path, tmp)
     tmp.rename(target)
     return target
+
+
+MANIFEST = "MANIFEST.json"  # a directory's file sizes and checksums, written last: the directory is whole
+
+
+def list_files(location: str) -> dict[str, int]:
+    """Every file under the directory `location` (recursively) by relative path, with its size."""
+    if not is_uri(location):
+        root = local_path(location)
+        return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+    fs, root = _filesystem(location)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    return {i.path[len(root) :].lstrip("/"): i.size for i in sorted(infos, key=lambda i: i.path) if i.type == pafs.FileType.File}
+
+
+def list_dirs(location: str) -> list[str]:
+    """The names of the directories directly under `location` (none when it does not exist)."""
+    if not is_uri(location):
+        root = local_path(location)
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    fs, root = _filesystem(location)
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def file_sha256(location: str) -> str:
+    """The sha256 of the file at `location`, read in blocks; for a local file also fsynced."""
+    digest = hashlib.sha256()
+    if not is_uri(location):
+        with open(local_path(location), "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+            os.fsync(f.fileno())  # written by another process: make it durable before the manifest says it is whole
+        return digest.hexdigest()
+    fs, path = _filesystem(location)
+    with fs.open_input_stream(path) as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(location: str) -> dict[str, dict]:
+    """Checksum every file of the directory `location` and write its MANIFEST.json, last (fsynced
+    with the directories, where local). Returns the manifest's files."""
+    files = {
+        name: {"bytes": size, "sha256": file_sha256(join(location, name))}
+        for name, size in list_files(location).items()
+        if name != MANIFEST
+    }
+    if not is_uri(location):
+        for directory in {local_path(location) / Path(name).parent for name in files}:
+            _fsync_dir(directory)
+    write_text(join(location, MANIFEST), json.dumps({"files": files}, indent=1))
+    return files
+
+
+def manifest_problem(location: str) -> str | None:
+    """What makes the directory `location` not whole by its MANIFEST.json (no manifest, a file
+    missing, of another size or checksum), naming the file; None when every file checks out."""
+    text = read_text(join(location, MANIFEST))
+    if text is None:
+        return f"no {MANIFEST} (its save did not finish)"
+    try:
+        expected = json.loads(text)["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is not readable"
+    present = list_files(location)
+    for name, want in expected.items():
+        if name not in present:
+            return f"{name} is missing"
+        if present[name] != want["bytes"]:
+            return f"{name} has {present[name]} bytes, {want['bytes']} when saved (truncated or overwritten)"
+        if file_sha256(join(location, name)) != want["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def replace_dir(source: str, destination: str) -> None:
+    """Make the local directory `source` the directory `destination`: a rename (the old one, if
+    any, is moved aside first and deleted after), fsynced; a crash leaves one of the two whole."""
+    src, dst = local_path(source), local_path(destination)
+    aside = dst.with_name(dst.name + ".replaced")
+    shutil.rmtree(aside, ignore_errors=True)
+    if dst.exists():
+        dst.rename(aside)
+    src.rename(dst)
+    _fsync_dir(dst.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,31 +1,58 @@
-"""A run's checkpoints: checkpoints/step_N (the learners' policy, optimizer and step state,
-the critic for PPO, the trainer's state) and a `latest` pointer, under the run's storage
-location (a directory, or a URI: pipelines.data.storage).
+"""A run's checkpoints: checkpoints/step_N (the learners' policy, optimizer and step state, the
+critic for PPO, the refreshed reward model, the trainer's state) under the run's storage
+location (a directory, or a URI: pipelines.data.storage), the last `keep` of them.
 
-Each role writes its own files there from the node it runs on. On a local directory a
-checkpoint is written under a temporary name and renamed; on a URI (no rename) the `latest`
-pointer, written last, is what makes it the one --resume takes."""
+Each role writes its own files there from the node it runs on. Then the driver checksums every
+file into MANIFEST.json, written last: a checkpoint without one, or whose files differ from it,
+is not whole, and --resume skips it for the newest one that is. On a local directory the files
+are fsynced and the checkpoint is written under a temporary name and renamed (a step saved
+again replaces the old one only once the new one is whole)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import ray
 
 from pipelines.data import storage
 from pipelines.rl.roles import Roles
 
-
-def latest_checkpoint(root: str) -> str | None:
-    name = storage.read_text(storage.join(root, "latest"))
-    return storage.join(root, name.strip()) if name else None
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def save_checkpoint(roles: Roles, root: str, step: int, state: dict) -> str:
-    """Write root/step_N (tmp dir and rename where the storage is local), then the `latest` pointer."""
+def checkpoint_names(root: str) -> list[str]:
+    """The checkpoints under `root`, newest (highest step) first."""
+    names = [name for name in storage.list_dirs(root) if STEP_DIR.match(name)]
+    return sorted(names, key=lambda name: int(STEP_DIR.match(name).group(1)), reverse=True)
+
+
+def checkpoint_step(location: str) -> int:
+    return int(STEP_DIR.match(location.rstrip("/").rsplit("/", 1)[-1]).group(1))
+
+
+def newest_valid_checkpoint(root: str, at_most: int | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under `root` (of step `at_most` or earlier) whose files match its
+    manifest (None if none does), and the newer ones skipped, each with why."""
+    skipped = []
+    for name in checkpoint_names(root):
+        if at_most is not None and checkpoint_step(name) > at_most:
+            continue
+        location = storage.join(root, name)
+        problem = storage.manifest_problem(location)
+        if problem is None:
+            return location, skipped
+        skipped.append((name, problem))
+    return None, skipped
+
+
+def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int = 0) -> str:
+    """Write root/step_N whole (see the module's docstring), point `latest` at it and keep the
+    newest `keep` checkpoints (0: all). Returns its location."""
     name = f"step_{step:06d}"
     final = storage.join(root, name)
-    target = final if storage.is_uri(root) else storage.join(root, f"{name}.tmp")
+    local = not storage.is_uri(root)
+    target = storage.join(root, f"{name}.tmp") if local else final
     storage.remove_dir(target)  # a crashed save's leftovers, or another learner count's shards
     roles.learners.run("save_checkpoint", target)
     if storage.read_text(storage.join(target, "policy", "config.json")) is None:
@@ -33,21 +60,29 @@ def save_checkpoint(roles: Roles, root: str, step: int, state: dict) -> str:
             f"the learners wrote checkpoint {target!r} on their own node, where the driver cannot see it: set "
             "training.storage_path to a directory every node shares, or to a URI (s3://, gs://)"
         )
+    extras = [roles.reward.save.remote(storage.join(target, "reward"))]
     if roles.value is not None:
-        ray.get(roles.value.save.remote(storage.join(target, "critic")))
+        extras.append(roles.value.save.remote(storage.join(target, "critic")))
+    ray.get(extras)
     storage.write_text(storage.join(target, "trainer_state.json"), json.dumps({**state, "step": step}))
-    if not storage.is_uri(root):
-        storage.remove_dir(final)
-        storage.local_path(target).rename(storage.local_path(final))
+    storage.write_manifest(target)
+    if local:
+        storage.replace_dir(target, final)
     storage.write_text(storage.join(root, "latest"), name)
+    if keep:
+        for old in [n for n in checkpoint_names(root) if n != name][keep - 1 :]:
+            storage.remove_dir(storage.join(root, old))
     return final
 
 
 def load_checkpoint(roles: Roles, location: str) -> dict:
-    """Restore the learners (and critic) from `location`, push its weights to the engines; the trainer's state."""
+    """Restore the learners, critic and reward model from `location` and push its weights to the
+    engines; returns the trainer's state."""
     roles.learners.run("load_checkpoint", location)
+    extras = [roles.reward.load.remote(storage.join(location, "reward"))]
     if roles.value is not None:
-        ray.get(roles.value.load.remote(storage.join(location, "critic")))
+        extras.append(roles.value.load.remote(storage.join(location, "critic")))
+    ray.get(extras)
     text = storage.read_text(storage.join(location, "trainer_state.json"))
     if text is None:
         raise FileNotFoundError(f"checkpoint {location!r} has no trainer_state.json")

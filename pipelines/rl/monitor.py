@@ -22,7 +22,8 @@ class Alerts:
     - reward falling: the step's reward is below the mean of the previous `reward_window` steps by
       more than `reward_drop` (10%) of the reward's range, on `reward_drop_steps` (5) steps in a row;
     - all rewards at the bottom of the range (the reward model may be broken: check its health);
-    - a non-finite loss (the learner skipped that update);
+    - a non-finite loss or gradient (the learner skipped that update), and the run's share of
+      updates that succeeded below `update_success_alert` (the seeds' 99.9%);
     - a step whose every sample no reward scored (skipped: nothing to learn from).
     """
 
@@ -46,7 +47,9 @@ class Alerts:
         if m.get("reward_all_zero"):
             alerts.append("every reward of the step is at the bottom of its range: check the reward model's health")
         if m.get("update_success", 1.0) < 1.0:
-            alerts.append("non-finite loss: the update was skipped")
+            alerts.append("non-finite loss or gradient: the update was skipped")
+        if m.get("update_success_rate", 1.0) < cfg.update_success_alert:
+            alerts.append(f"update success rate {m['update_success_rate']:.4f} < {cfg.update_success_alert}")
         return alerts
 
     def _reward_trend(self, reward: float) -> list[str]:

@@ -89,7 +89,7 @@ def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[
     rewards, its reference log-probs (None without a reference) and its values (None without)."""
     batch = generate(roles, cfg, problems, step)
     phases.done("generate", batch)
-    scores = roles.reward.score.remote(batch, reward_fields(problems))
+    scores = roles.reward.score.remote(batch, reward_fields(problems), step)
     reference_logprobs = roles.reference.logprobs.remote(batch) if roles.reference else None
     values = roles.value.values.remote(batch) if roles.value else None
     scored = {"reward": scores, "reference": reference_logprobs} | ({"value": values} if roles.value else {})
@@ -109,6 +109,7 @@ def policy_loss_spec(cfg: RaypoConfig, step: int) -> LossSpec:
         kl_coef=algo.kl_coef,
         kl_kind=algo.kl_kind,
         entropy_coef=algo.entropy_coef,
+        poisoned=step in cfg.chaos.nan_loss_steps,
     )
 
 

@@ -38,13 +38,14 @@ from pipelines.data.preferences import heldout_pairs
 from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
-from pipelines.rl.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelines.rl.checkpoints import checkpoint_step, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from pipelines.rl.dpo import dpo_evaluate, dpo_step
 from pipelines.rl.evaluation import evaluate_with_roles
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at
 from pipelines.rl.ppo import ppo_step
+from pipelines.rl.recovery import UpdateGuard
 from pipelines.rl.roles import Roles, build_roles, reserve, resource_plan
 
 MetricsCallback = Callable[[dict], None]
@@ -140,12 +141,15 @@ class Trainer:
         )
         for past in sinks.history:
             alerts.check(past)
+        guard = UpdateGuard(cfg.training, sinks.history, lr_scale=state.get("lr_scale", 1.0))
         bar = tqdm(total=cfg.training.steps, initial=start_step, desc=f"{cfg.algo.name} {cfg.name}", dynamic_ncols=True)
         step = start_step
         try:
             for step in range(start_step, cfg.training.steps):
                 problems = [next(stream) for _ in range(prompts_at(cfg, step))]
                 metrics = self._one_step(step, problems)
+                if guard.record(metrics):
+                    metrics |= self._roll_back(step, guard, state)
                 if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                     metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
@@ -160,14 +164,14 @@ class Trainer:
                 bar.update()
                 every = cfg.training.save_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
-                    save_checkpoint(self.roles, self.ckpt_root, step + 1, state)
+                    save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints)
                     self.upload()
         finally:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
         end_step = max(step + 1, start_step) if cfg.training.steps > start_step else start_step
-        ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state)
+        ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state, cfg.training.keep_checkpoints)
         final = storage.join(self.location, "final")
         storage.copy_dir(storage.join(ckpt, "policy"), final)
         eval_end = self.evaluate("end")
@@ -192,17 +196,42 @@ class Trainer:
         return summary
 
     def _resume(self) -> dict:
-        """The trainer's state at the latest checkpoint, whose weights the roles now hold."""
-        if self.cfg.reward.refresh_every:
-            raise TrainingError("--resume with reward.refresh_every: checkpoints do not hold the refreshed reward model yet")
-        ckpt = latest_checkpoint(self.ckpt_root)
+        """The trainer's state at the newest whole checkpoint, whose weights the roles now hold."""
+        ckpt, skipped = newest_valid_checkpoint(self.ckpt_root)
+        for name, why in skipped:
+            print(f"--resume: skipped checkpoint {name}: {why}", file=sys.stderr, flush=True)
         if ckpt is None:
-            raise TrainingError(f"--resume: no checkpoint under {self.ckpt_root}")
+            found = f" ({len(skipped)} found, none whole)" if skipped else ""
+            raise TrainingError(f"--resume: no whole checkpoint under {self.ckpt_root}{found}")
         state = load_checkpoint(self.roles, ckpt)
+        if state.get("lr_scale", 1.0) != 1.0:  # lowered by a rollback before the checkpoint
+            self.roles.learners.run("set_lr_scale", state["lr_scale"])
         if storage.is_uri(self.location) and (metrics := storage.read_text(storage.join(self.location, "metrics.jsonl"))):
             (self.out_dir / "metrics.jsonl").write_text(metrics)  # the steps before the checkpoint, kept by Sinks
         print(f"resumed from {ckpt} at step {state['step']}")
         return state
+
+    def _roll_back(self, step: int, guard: UpdateGuard, state: dict) -> dict:
+        """The seeds' rule after `training.rollback_after` failed updates in a row: the learners
+        (and critic, reward model) and the engines back to the newest whole checkpoint from before
+        the first failure, the learning rate lowered by `training.rollback_lr_factor`."""
+        failed, first = guard.failed_in_a_row, step - guard.failed_in_a_row + 1
+        ckpt, _ = newest_valid_checkpoint(self.ckpt_root, at_most=first)
+        if ckpt is None:
+            raise TrainingError(
+                f"{failed} updates in a row failed (non-finite loss or gradient, steps {first}-{step}) and there is no "
+                f"checkpoint from step {first} or before to roll back to: lower training.lr, or save sooner (training.save_every)"
+            )
+        load_checkpoint(self.roles, ckpt)
+        state["lr_scale"] = guard.rolled_back()
+        self.roles.learners.run("set_lr_scale", state["lr_scale"])
+        print(
+            f"step {step}: {failed} updates in a row failed (non-finite loss or gradient); rolled back to {ckpt}, "
+            f"learning rate x{state['lr_scale']:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {"rollback_to": checkpoint_step(ckpt), "lr_scale": state["lr_scale"]}
 
     def _one_step(self, step: int, problems: list[Problem]) -> dict:
         started = time.monotonic()
