@@ -1,80 +1,30 @@
-"""What every raypo actor shares: joining or starting Ray, thread limits, fetching refs, and
-whether roles fit."""
+"""What every raypo actor shares: restarts, thread limits, fetching refs, and whether roles fit."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import ray
-from ray._common.utils import get_ray_address_file
 
-from pipelines.data.storage import StorageError
-
-
-def connect_ray(address: str | None = None, join_only: bool = False, **init_kwargs) -> bool:
-    """Join the Ray cluster at `address` (or RAY_ADDRESS); without one, the cluster a `ray start`
-    on this machine left its address for, if it answers; else start a local Ray sized from this
-    machine (`join_only`: raise instead). Returns whether it started a local Ray.
-
-    A GCS address where nothing answers is refused at once (ConnectionError naming it), where
-    `ray.init` would retry it for minutes; a `ray start` head that died without `ray stop` leaves
-    its address file behind, and a run then starts its own Ray, saying so.
-    """
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address in (None, "auto"):
-        left = read_ray_address()
-        if left and not gcs_answers(left):
-            where = get_ray_address_file(None)
-            if join_only or address == "auto":
-                raise ConnectionError(
-                    f"no Ray cluster answers at {left}, the address {where} names (its head stopped without `ray stop`); "
-                    "start one (`ray start --head`, `raypo cluster up`) or pass --address"
-                )
-            print(
-                f"note: {where} names {left}, where no Ray cluster answers (a head that stopped without `ray stop`); "
-                "starting a local Ray for this run",
-                file=sys.stderr,
-            )
-            address = "local"
-        elif left:
-            address = left
-    elif "://" not in address and address != "local" and not gcs_answers(address):
-        raise ConnectionError(
-            f"no Ray cluster answers at {address} (--address or RAY_ADDRESS): start it (`ray start --head`, `raypo cluster up`), "
-            "or leave both unset to run on a local Ray"
-        )
-    if address in (None, "local"):
-        if join_only:
-            raise ConnectionError("no running Ray cluster: start one (`ray start --head`, `raypo cluster up`) or pass --address")
-        ray.init(address="local", **init_kwargs)
-        return True
-    init_kwargs.pop("include_dashboard", None)  # a joined cluster has its own
-    ray.init(address=address, **init_kwargs)
-    return False
+from pipelines.data.storage import StorageError, newest_whole
 
 
-def read_ray_address() -> str | None:
-    """The GCS address the last `ray start` on this machine left in Ray's address file, if any."""
-    path = get_ray_address_file(None)
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError:
+class Restartable:
+    """A role Ray restarts when its process dies (`max_restarts`); the driver tells a restart by its pid."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def checkpoint_to_restore(root: str | None) -> str | None:
+    """In an actor that Ray has just restarted: the run's newest whole checkpoint under `root`, to
+    restore the state the dead process held; None on a first start or when there is none yet."""
+    if not root or not ray.get_runtime_context().was_current_actor_reconstructed:
         return None
-
-
-def gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether anything listens at a Ray GCS `host:port`."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
+    return newest_whole(root)[0]
 
 
 def limit_threads(cpus: float) -> None:

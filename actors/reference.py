@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import limit_threads
+from actors.common import Restartable, limit_threads
 from actors.core.reference import ReferenceScorer
 
 
-@ray.remote(max_restarts=0)
-class ReferenceActor:
+@ray.remote
+class ReferenceActor(Restartable):
     def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 2, dtype: str = "float32"):
         limit_threads(threads)
         self.scorer = ReferenceScorer(model_dir, temperature=temperature, dtype=dtype)

@@ -10,28 +10,33 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from actors.common import on_this_node
+from actors.common import Restartable, checkpoint_to_restore, on_this_node
 from actors.core.reward import RefreshSpec, RewardScorer
 from pipelines.data.preferences import PreferencePair, pairs_from_samples
 from pipelines.data.rewards import load_reward, score
-from pipelines.data.storage import reading, writing
+from pipelines.data.storage import join, reading, writing
 from pipelines.data.tasks import in_heldout
 
 
-@ray.remote(max_restarts=0)
-class RewardActor:
+@ray.remote
+class RewardActor(Restartable):
     def __init__(
         self,
         terms: Sequence[tuple[str, float]],
         normalize: bool,
         value_range: tuple[float, float],
         refresh: RefreshSpec | None = None,
+        restore_root: str | None = None,
     ):
+        """`restore_root`: the run's checkpoints; restarted after its process died, a refreshed
+        reward model comes back from the newest whole one."""
         self.scorer = RewardScorer(terms, normalize=normalize, value_range=value_range)
         self.refresh_spec = refresh
         self.labeler = load_reward(refresh.labels) if refresh else None
         self.recent: dict[int, list[PreferencePair]] = {}  # step -> its labelled pairs, for the next refresh
         self.refreshes = 0
+        if checkpoint := checkpoint_to_restore(restore_root):
+            self.load(join(checkpoint, "reward"))
 
     def score(self, batch: dict[str, np.ndarray], fields: dict[str, list], step: int = -1) -> np.ndarray:
         """One reward per row of a rollout batch. `fields` are per prompt (column -> one value per

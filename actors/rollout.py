@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from actors.common import limit_threads
+from actors.common import Restartable, limit_threads
 from actors.core.generator import Generator
 from pipelines.algos.sampling import SamplingSpec
 
 
-@ray.remote(max_restarts=0)
-class RolloutActor:
+@ray.remote
+class RolloutActor(Restartable):
     def __init__(self, model_dir: str, threads: int = 2, **engine):
         """`engine`: the `Generator`'s options (dtype, seed, max_model_len, gpu_memory_fraction)."""
         limit_threads(threads)

@@ -5,16 +5,22 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import fetch_each, limit_threads, on_this_node
+from actors.common import Restartable, checkpoint_to_restore, fetch_each, limit_threads, on_this_node
 from actors.core.critic import Critic
-from pipelines.data.storage import reading, writing
+from pipelines.data.storage import join, reading, writing
 
 
-@ray.remote(max_restarts=0)
-class ValueActor:
-    def __init__(self, model_dir: str, lr: float, grad_clip: float, clip: float, seed: int = 0, threads: int = 2):
+@ray.remote
+class ValueActor(Restartable):
+    def __init__(
+        self, model_dir: str, lr: float, grad_clip: float, clip: float, seed: int = 0, threads: int = 2, restore_root=None
+    ):
+        """`restore_root`: the run's checkpoints; restarted after its process died, the critic
+        comes back from the newest whole one (its updates since then are lost)."""
         limit_threads(threads)
         self.critic = Critic(model_dir, lr=lr, grad_clip=grad_clip, clip=clip, seed=seed)
+        if checkpoint := checkpoint_to_restore(restore_root):
+            self.load(join(checkpoint, "critic"))
 
     def values(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """`[N, T]` value estimates for the batch's response positions."""

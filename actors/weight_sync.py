@@ -27,26 +27,43 @@ class WeightSync:
 
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle]):
         self.learners, self.rollouts = learners, list(rollouts)
+        self.version = 0  # the weights version the engines serve (0: the starting weights)
 
     def push(self, version: int) -> None:
         """Every engine serves the learners' weights as `version` when this returns."""
         raise NotImplementedError
 
+    def restore(self, engines: Sequence[ActorHandle]) -> None:
+        """Bring `engines`, restarted with the starting weights, to the current version."""
+        raise NotImplementedError
+
 
 class ObjectStoreSync(WeightSync):
     def push(self, version: int) -> None:
+        self._send(self.rollouts, version)
+        self.version = version
+
+    def restore(self, engines: Sequence[ActorHandle]) -> None:
+        if self.version:
+            self._send(engines, self.version)
+
+    def _send(self, engines: Sequence[ActorHandle], version: int) -> None:
         weights = self.learners.state_dict_ref()
-        ray.get([r.update_weights.remote(weights, version) for r in self.rollouts])
+        ray.get([r.update_weights.remote(weights, version) for r in engines])
 
 
 class BroadcastSync(WeightSync):
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle], backend: str):
         """Form the weight-sync group: learner rank 0 (which hosts it) and every rollout engine."""
         super().__init__(learners, rollouts)
-        host, port = learners.address()
+        self.backend = backend
+        self._form_group()
+
+    def _form_group(self) -> None:
+        host, port = self.learners.address()
         world = 1 + len(self.rollouts)
-        opened = learners.run_async("open_weight_sync", host, port, world, backend)
-        joined = [r.open_weight_sync.remote(host, port, i + 1, world, backend) for i, r in enumerate(self.rollouts)]
+        opened = self.learners.run_async("open_weight_sync", host, port, world, self.backend)
+        joined = [r.open_weight_sync.remote(host, port, i + 1, world, self.backend) for i, r in enumerate(self.rollouts)]
         self.layout = ray.get(opened)[0]
         ray.get(joined)
 
@@ -55,6 +72,12 @@ class BroadcastSync(WeightSync):
         sends = self.learners.run_async("broadcast_weights")
         loads = [r.receive_weights.remote(self.layout, version) for r in self.rollouts]
         ray.get(sends + loads)
+        self.version = version
+
+    def restore(self, engines: Sequence[ActorHandle]) -> None:
+        """A restarted engine left the group: form it again with every engine, and broadcast."""
+        self._form_group()
+        self.push(self.version)
 
 
 def transport(setting: str, use_gpu: bool) -> str:

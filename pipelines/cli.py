@@ -110,7 +110,7 @@ def cmd_train_rm(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint over the OpenAI API until interrupted, or operate on a running app."""
-    from actors.common import connect_ray
+    from pipelines.cluster import connect_ray
 
     if args.action != "start":
         from serve import ops
@@ -152,7 +152,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from actors.common import connect_ray
+    from pipelines.cluster import connect_ray
     from serve.app import ServeArgs, build_app, ensure_fits
 
     if not args.checkpoint:

@@ -437,6 +437,12 @@ class ResourceConfig(Strict):
         description="how new weights reach the rollout engines: object_store (learner -> Ray object store -> engines), "
         "broadcast (a collective from learner rank 0: NCCL on GPUs, gloo on CPU); auto = broadcast on GPUs",
     )
+    max_actor_restarts: int = Field(
+        3,
+        ge=0,
+        description="times Ray restarts each rollout, reward, reference, value and buffer actor whose process dies "
+        "(the driver re-issues the lost work of the step); past it the run stops (0 = a dead actor stops the run)",
+    )
 
     @field_validator("cpu_affinity", mode="before")
     @classmethod

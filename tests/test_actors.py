@@ -5,7 +5,7 @@ import pytest
 import ray
 import torch
 
-from actors.buffer import ExperienceBuffer
+from actors.buffer import ExperienceBuffer, minibatch_refs
 from actors.core.learner import LearnerSpec
 from actors.learner import LearnerGroup
 from actors.reference import ReferenceActor
@@ -55,8 +55,8 @@ def buffer(local_ray):
 def _train(group, buffer, batch_ref, targets, minibatch_size, step=0):
     """One update the way a run makes it: the experience goes into the buffer actor, and the
     learners fetch the minibatches it serves."""
-    ray.get(buffer.add.remote(step, batch_ref, targets))
-    return group.run("train_step", buffer.minibatches.remote(step, minibatch_size, 0), LossSpec())
+    rows = ray.get(buffer.add.remote(step, batch_ref, targets))["rows"]
+    return group.run("train_step", minibatch_refs(buffer, batch_ref, targets, rows, minibatch_size, 0), LossSpec())
 
 
 def _targets(batch, scores):
@@ -144,20 +144,26 @@ def test_prompts_of_one_call_draw_independent_samples(rollout):
     assert len(set(independent.ravel())) > 8
 
 
-def test_buffer_serves_the_steps_minibatches_as_object_refs(buffer, batch_ref):
+def test_buffer_serves_the_steps_minibatches_as_object_refs_the_caller_owns(buffer, batch_ref):
     batch = ray.get(batch_ref)
     n = len(batch["response_ids"])
     targets = {"advantages": np.arange(n, dtype=np.float32)[:, None] * batch["response_mask"]}
     assert ray.get(buffer.add.remote(5, batch_ref, targets))["rows"] == n
-    refs = ray.get(buffer.minibatches.remote(5, 12, 0, 2))
+    assert ray.get(buffer.add.remote(5, batch_ref, targets))["rows"] == n  # a retried add replaces the step
+    refs = minibatch_refs(buffer, batch_ref, targets, n, 12, 0, 2)
     assert all(isinstance(r, ray.ObjectRef) for r in refs) and len(refs) == 2 * -(-n // 12)
     parts = ray.get(refs)
     rows = np.concatenate([p["advantages"][:, 0] for p in parts[: len(parts) // 2]]).astype(int)
     assert sorted(rows) == list(range(n)) and list(rows) != list(range(n))  # one shuffled pass, then again
     for p in parts[len(parts) // 2 :]:
         assert set(p) == {*batch, "advantages"}
-    with pytest.raises(ray.exceptions.RayTaskError, match="holds step 5, not step 4"):
-        ray.get(buffer.minibatches.remote(4, 12, 0))
+    assert len(minibatch_refs(buffer, batch_ref, targets, n, n, 0)) == 1
+    # the caller owns the minibatches: they outlive the buffer that cut them
+    short_lived = ExperienceBuffer.options(num_cpus=0.05).remote()
+    refs = minibatch_refs(short_lived, batch_ref, targets, n, 12, 0)
+    ray.wait(refs, num_returns=len(refs), fetch_local=False)
+    ray.kill(short_lived)
+    assert sum(len(p["advantages"]) for p in ray.get(refs)) == n
 
 
 def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, buffer):

@@ -45,7 +45,7 @@ def test_a_dead_address_file_is_named_and_a_run_starts_its_own_ray(dead_address_
     assert f"no Ray cluster answers at {dead}" in done.stderr and "without `ray stop`" in done.stderr
     assert "Failed to connect to GCS" not in done.stderr
     # a run (what train, train-rm and tune call) starts a local Ray instead, and says why
-    code = "from actors.common import connect_ray; import ray; print('local', connect_ray()); ray.shutdown()"
+    code = "from pipelines.cluster import connect_ray; import ray; print('local', connect_ray()); ray.shutdown()"
     done, took = _run([sys.executable, "-c", code], env)
     assert done.returncode == 0 and "local True" in done.stdout, done.stderr[-2000:]
     assert f"names {dead}, where no Ray cluster answers" in done.stderr and took < 90

@@ -3,6 +3,7 @@ end a run with a message naming the cause while the last checkpoint stays valid.
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -194,15 +195,45 @@ def test_a_step_no_reward_scored_is_skipped_with_a_warning(local_ray, tiny_model
     assert summary["eval_end"]["reward_mean"] is None and summary["eval_end"]["pass_rate"] == 0.0
 
 
-def test_dead_actor_ends_the_run_and_keeps_the_last_checkpoint(local_ray, tiny_model, tmp_path):
+def _process_of(run: str, role: str) -> int:
+    return ray.get(ray.get_actor(f"raypo:{run}:{os.getpid()}:{role}").pid.remote())
+
+
+def test_roles_whose_process_dies_are_restarted_and_the_run_loses_nothing(local_ray, tiny_model, tmp_path, capsys):
+    """SIGKILL to the process of the rollout engine, the reward, the reference and the buffer, one
+    after each of steps 0-3: Ray restarts each, the driver re-issues their lost work (the engine
+    gets the current weights first), and every step's metrics equal an undisturbed run's."""
+    undisturbed = [json.loads(x) for x in _run_lines(tmp_path, "calm")]
+    kills = {0: "rollout-0", 1: "reward", 2: "reference", 3: "buffer"}
+
+    def kill_one(metrics):
+        if metrics["step"] in kills:
+            os.kill(_process_of("chaos", kills[metrics["step"]]), signal.SIGKILL)
+
+    lines = [json.loads(x) for x in _run_lines(tmp_path, "chaos", on_metrics=kill_one)]
+    said = capsys.readouterr().err
+    for role in kills.values():
+        assert f"recovered: {role} lost its process" in said, role
+    assert [m["actor_restarts"] for m in lines] == [0, 1, 2, 3, 4]  # each counted at the step after its kill
+    for calm, chaos in zip(undisturbed, lines, strict=True):
+        assert {k: chaos[k] for k in EXACT} == {k: calm[k] for k in EXACT}, calm["step"]
+
+
+def _run_lines(tmp_path, name, on_metrics=None) -> list[str]:
+    cfg = _cfg(tmp_path, "grpo_tiny.yaml", f"name={name}", "training.steps=5", "task.eval_problems=20")
+    train(cfg, on_metrics=on_metrics)
+    return (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+
+
+def test_a_role_that_cannot_be_restarted_ends_the_run_and_keeps_the_last_checkpoint(local_ray, tiny_model, tmp_path):
     cfg = _cfg(tmp_path, "grpo_tiny.yaml", "name=d", "training.steps=4", "training.save_every=1")
 
-    def kill_rollout_after_step_1(metrics):
+    def kill_rollout_for_good_after_step_1(metrics):
         if metrics["step"] == 1:
-            ray.kill(ray.get_actor(f"raypo:d:{os.getpid()}:rollout-0"))
+            ray.kill(ray.get_actor(f"raypo:d:{os.getpid()}:rollout-0"))  # no restart
 
-    with pytest.raises(TrainingError, match="actor died|RolloutActor"):
-        train(cfg, on_metrics=kill_rollout_after_step_1)
+    with pytest.raises(TrainingError, match=r"^rollout-0 died and cannot be restarted \(resource.max_actor_restarts=3"):
+        train(cfg, on_metrics=kill_rollout_for_good_after_step_1)
     ckpt = tmp_path / "d" / "checkpoints"
     latest = ckpt / (ckpt / "latest").read_text()
     assert latest.name == "step_000002"

@@ -55,13 +55,19 @@ def to_numpy(batch: pa.RecordBatch | pa.Table) -> dict[str, np.ndarray]:
 class Buffer:
     def __init__(self, max_steps: int = 1):
         self.steps: deque[pa.RecordBatch] = deque(maxlen=max_steps)
+        self.keys: deque = deque(maxlen=max_steps)
 
-    def add(self, columns: Mapping[str, np.ndarray]) -> dict:
-        """Store one step's experience (all columns have the same number of rows)."""
+    def add(self, columns: Mapping[str, np.ndarray], key=None) -> dict:
+        """Store one step's experience (all columns have the same number of rows); added again
+        under the newest step's `key` (a retried call), it replaces that step's rows."""
         lengths = {name: len(v) for name, v in columns.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"experience columns differ in length: {lengths}")
+        if key is not None and self.keys and self.keys[-1] == key:
+            self.steps.pop()
+            self.keys.pop()
         self.steps.append(to_record_batch(columns))
+        self.keys.append(key)
         return self.size()
 
     def size(self) -> dict:

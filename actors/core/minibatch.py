@@ -28,6 +28,15 @@ def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1) -> Iterator[np
         yield from cuts
 
 
+def minibatch_count(n: int, size: int, epochs: int = 1) -> int:
+    """How many minibatches `minibatch_rows` cuts `n` rows into.
+
+    >>> minibatch_count(5, 2, epochs=2), minibatch_count(130, 64)
+    (6, 3)
+    """
+    return max(1, -(-n // size)) * epochs
+
+
 def minibatches(columns: Mapping[str, np.ndarray], size: int, seed: int, epochs: int = 1) -> list[dict[str, np.ndarray]]:
     """`columns` cut into the minibatches of `minibatch_rows` (rows stay whole).
 

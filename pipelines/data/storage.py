@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -262,6 +263,37 @@ def manifest_problem(location: str) -> str | None:
         if file_sha256(join(location, name)) != want["sha256"]:
             return f"{name} does not match its checksum (corrupted)"
     return None
+
+
+STEP_DIR = re.compile(r"^step_(\d+)$")  # a checkpoint's directory: step_000012
+
+
+def step_of(location: str) -> int:
+    """The step of a checkpoint directory.
+
+    >>> step_of("s3://b/runs/g/checkpoints/step_000012")
+    12
+    """
+    return int(STEP_DIR.match(location.rstrip("/").rsplit("/", 1)[-1]).group(1))
+
+
+def step_dirs(root: str) -> list[str]:
+    """The checkpoint directories (step_N) under `root`, newest (highest step) first."""
+    return sorted((name for name in list_dirs(root) if STEP_DIR.match(name)), key=step_of, reverse=True)
+
+
+def newest_whole(root: str, at_most: int | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under `root` (of step `at_most` or earlier) whose files match its
+    manifest (None if none does), and the newer ones skipped, each with why."""
+    skipped = []
+    for name in step_dirs(root):
+        if at_most is not None and step_of(name) > at_most:
+            continue
+        problem = manifest_problem(join(root, name))
+        if problem is None:
+            return join(root, name), skipped
+        skipped.append((name, problem))
+    return None, skipped
 
 
 def replace_dir(source: str, destination: str) -> None:

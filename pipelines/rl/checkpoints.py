@@ -11,39 +11,11 @@ again replaces the old one only once the new one is whole)."""
 from __future__ import annotations
 
 import json
-import re
 
 import ray
 
 from pipelines.data import storage
 from pipelines.rl.roles import Roles
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def checkpoint_names(root: str) -> list[str]:
-    """The checkpoints under `root`, newest (highest step) first."""
-    names = [name for name in storage.list_dirs(root) if STEP_DIR.match(name)]
-    return sorted(names, key=lambda name: int(STEP_DIR.match(name).group(1)), reverse=True)
-
-
-def checkpoint_step(location: str) -> int:
-    return int(STEP_DIR.match(location.rstrip("/").rsplit("/", 1)[-1]).group(1))
-
-
-def newest_valid_checkpoint(root: str, at_most: int | None = None) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest checkpoint under `root` (of step `at_most` or earlier) whose files match its
-    manifest (None if none does), and the newer ones skipped, each with why."""
-    skipped = []
-    for name in checkpoint_names(root):
-        if at_most is not None and checkpoint_step(name) > at_most:
-            continue
-        location = storage.join(root, name)
-        problem = storage.manifest_problem(location)
-        if problem is None:
-            return location, skipped
-        skipped.append((name, problem))
-    return None, skipped
 
 
 def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int = 0) -> str:
@@ -70,7 +42,7 @@ def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int =
         storage.replace_dir(target, final)
     storage.write_text(storage.join(root, "latest"), name)
     if keep:
-        for old in [n for n in checkpoint_names(root) if n != name][keep - 1 :]:
+        for old in [n for n in storage.step_dirs(root) if n != name][keep - 1 :]:
             storage.remove_dir(storage.join(root, old))
     return final
 

@@ -32,7 +32,8 @@ def dpo_step(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem])
     phases = Phases()
     pairs, reference = _pairs_and_reference(roles, problems)
     phases.done("reference", reference)
-    return {"pairs": len(problems), **store_learn_sync(roles, cfg, step, pairs, reference, phases, "dpo_step", dpo_spec(cfg))}
+    learned = store_learn_sync(roles, cfg, step, pairs, reference, len(problems), phases, "dpo_step", dpo_spec(cfg))
+    return {"pairs": len(problems), **learned}
 
 
 def dpo_evaluate(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> dict:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import ray
 
+from actors.buffer import minibatch_refs
 from pipelines.algos.losses import LossSpec
 from pipelines.algos.sampling import prompt_seeds
 from pipelines.algos.schedules import clip_eps, group_size
@@ -67,20 +68,37 @@ def prompts_at(cfg: RaypoConfig, step: int) -> int:
 
 def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int):
     """All prompts of the step, split over the rollout actors, each prompt with its own sampling
-    seed (from the run seed, the step and its index in the step); one batch ref back."""
+    seed (from the run seed, the step and its index in the step); one batch ref back.
+
+    An engine that Ray restarted meanwhile (its process died) gets the current weights, and its
+    share is generated again, with the same seeds: the batch is the one it would have been."""
     chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
     seeds = prompt_seeds(cfg.seed, step, len(problems))
-    parts = [
-        actor.generate.remote(
-            [problems[i].prompt for i in idx],
-            group_size_at(cfg, step),
-            sampling_spec(cfg),
-            cfg.inference.max_tokens,
-            [seeds[i] for i in idx],
-        )
-        for actor, idx in zip(roles.rollouts, chunks, strict=False)
-    ]
+
+    def launch(i: int):
+        idx = chunks[i]
+        return roles.rollouts[i].generate.remote(
+            [problems[j].prompt for j in idx], group_size_at(cfg, step), sampling_spec(cfg), cfg.inference.max_tokens,
+            [seeds[j] for j in idx],
+        )  # fmt: skip
+
+    parts = [launch(i) for i in range(len(chunks))]
+    ray.wait(parts, num_returns=len(parts), fetch_local=False)
+    while restarted := restart_engines(roles, range(len(chunks))):
+        for i in restarted:
+            parts[i] = launch(i)
+        ray.wait(parts, num_returns=len(parts), fetch_local=False)
     return parts[0] if len(parts) == 1 else roles.concat_batches.remote(*parts)
+
+
+def restart_engines(roles: Roles, engines) -> list[int]:
+    """The indices among `engines` of the rollout engines Ray restarted since the last look, given
+    the current weights again (a restarted engine starts from the model's own)."""
+    restarted = roles.watch.restarted([f"rollout-{i}" for i in engines])
+    indices = [int(role.rsplit("-", 1)[1]) for role in restarted]
+    if indices:
+        roles.weight_sync.restore([roles.rollouts[i] for i in indices])
+    return indices
 
 
 def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[Problem], phases: Phases):
@@ -141,23 +159,28 @@ def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, st
     if summary["reward_unscored"] == summary["samples"]:
         # Nothing to learn from; the weights stay as they are (the alerts print a warning).
         return {**summary, "update_skipped": 1, **phases.times}
-    return {**summary, **store_learn_sync(roles, cfg, step, batch, targets, phases, "train_step", loss)}
+    return {**summary, **store_learn_sync(roles, cfg, step, batch, targets, summary["samples"], phases, "train_step", loss)}
 
 
-def store_learn_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, phases: Phases, update: str, spec) -> dict:
-    """Store the step's rows in the buffer, run the learners' `update` method (`train_step`,
-    `dpo_step`) with `spec` on the minibatches the buffer serves (the critic, if there is one,
+def store_learn_sync(
+    roles: Roles, cfg: RaypoConfig, step: int, batch, targets, rows: int, phases: Phases, update: str, spec
+) -> dict:
+    """Store the step's `rows` rows in the buffer, run the learners' `update` method (`train_step`,
+    `dpo_step`) with `spec` on the minibatches the buffer cuts (the critic, if there is one,
     alongside), sync weights. Returns the buffer's and the update's metrics and the phases' times."""
     training = cfg.training
     stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
     # Refs to the step's minibatches (rows shuffled with the step's seed), which the learners and
     # the critic fetch from the object store themselves; the driver never holds the data.
-    minibatches = roles.buffer.minibatches.remote(step, training.minibatch_size, cfg.seed + step, training.epochs, stored)
+    minibatches = minibatch_refs(roles.buffer, batch, targets, rows, training.minibatch_size, cfg.seed + step, training.epochs)
     critic = roles.value.train_step.remote(minibatches) if roles.value else None
     learned = roles.learners.run(update, minibatches, spec)[0]  # identical on every rank
     side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
-    roles.weight_sync.push(step + 1)
+    try:
+        roles.weight_sync.push(step + 1)
+    except ray.exceptions.RayActorError:
+        restart_engines(roles, range(len(roles.rollouts)))  # an engine died as it loaded them: give it the weights
     phases.done("sync")
     return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.times}
 

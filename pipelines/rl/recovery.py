@@ -1,8 +1,18 @@
-"""Recovery inside a run from updates that fail: the seeds' rule, a rollback to the last good
+"""Recovery inside a run. From updates that fail: the seeds' rule, a rollback to the last good
 checkpoint with a lower learning rate after `training.rollback_after` (5) failed steps in a row,
-and the run's update success rate (the seeds' target: above 99.9%)."""
+and the run's update success rate (the seeds' target: above 99.9%). From roles whose process
+dies: Ray restarts them (`resource.max_actor_restarts`) and re-runs their lost calls, except a
+rollout engine's, which the driver re-issues once the engine has the current weights; the
+`ActorWatch` tells which roles were restarted."""
 
 from __future__ import annotations
+
+import sys
+import time
+
+import ray
+import ray.exceptions as rex
+from ray.actor import ActorHandle
 
 from pipelines.config import TrainingConfig
 
@@ -51,3 +61,60 @@ class UpdateGuard:
         self.failed_in_a_row = 0
         self.lr_scale *= self.factor
         return self.lr_scale
+
+
+class RecoveryError(RuntimeError):
+    """A role could not be recovered in the run (past resource.max_actor_restarts); the message says which and why."""
+
+
+RESTART_WAIT_S = 600  # a restarted role answers once its constructor ran (a vLLM engine: tens of seconds on CPU)
+
+
+class ActorWatch:
+    """The run's restartable roles (rollout engines, reward, reference, critic, buffer) and the
+    process each runs in: tells which Ray restarted since it last looked, logs and counts them."""
+
+    def __init__(self, actors: dict[str, ActorHandle], max_restarts: int):
+        self.actors, self.max_restarts = actors, max_restarts
+        self.pids = self._pids(list(actors))
+        self.restarts = dict.fromkeys(actors, 0)
+
+    def _pids(self, roles: list[str]) -> dict[str, int]:
+        refs = {role: self.actors[role].pid.remote() for role in roles}
+        pids, deadline = {}, time.monotonic() + RESTART_WAIT_S
+        for role, ref in refs.items():
+            while role not in pids:
+                try:
+                    pids[role] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
+                except rex.ActorUnavailableError:  # restarting now: ask again once it is up
+                    time.sleep(0.2)
+                    ref = self.actors[role].pid.remote()
+                except rex.GetTimeoutError:
+                    raise RecoveryError(f"{role} did not come back within {RESTART_WAIT_S} s of its restart") from None
+                except rex.RayActorError as err:
+                    if "creation task" in str(err):
+                        raise  # its constructor raised (at the start, or on a restart): the trainer names the root cause
+                    raise RecoveryError(
+                        f"{role} died and cannot be restarted (resource.max_actor_restarts={self.max_restarts} "
+                        f"restarts used or 0): {str(err).splitlines()[0][:300]}"
+                    ) from err
+        return pids
+
+    def restarted(self, roles: list[str] | None = None, cause: str = "") -> list[str]:
+        """The roles among `roles` (default: all) whose process Ray replaced since the last look,
+        each logged with `cause` (else: its process exited) and counted."""
+        now = self._pids(roles or list(self.actors))
+        changed = [role for role, pid in now.items() if pid != self.pids[role]]
+        for role in changed:
+            self.restarts[role] += 1
+            print(
+                f"recovered: {role} lost its process (pid {self.pids[role]}: {cause or 'it exited'}); Ray restarted it "
+                f"as pid {now[role]} (restart {self.restarts[role]} of {self.max_restarts}) and its lost work was re-issued",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.pids.update(now)
+        return changed
+
+    def total(self) -> int:
+        return sum(self.restarts.values())

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
-from actors.buffer import ExperienceBuffer
+from actors.buffer import ExperienceBuffer, minibatch_refs
 from actors.learner import LearnerGroup
 from actors.placement import Bundle, Placement
 from pipelines.config import RaypoConfig
@@ -72,9 +72,14 @@ class RewardModelTrainer:
     def step(self, step: int, problems: list[Problem]) -> dict:
         training = self.cfg.training
         pairs = varied_pairs(problems, self.cfg.seed * 100_003 + step)
-        stored = self.buffer.add.remote(step, self.pairs_ref(pairs), {})
-        minibatches = self.buffer.minibatches.remote(step, training.minibatch_size, self.cfg.seed + step, training.epochs, stored)
-        return self.learners.run("rm_step", minibatches)[0]  # identical on every rank
+        encoded = self.pairs_ref(pairs)
+        stored = self.buffer.add.remote(step, encoded, {})
+        minibatches = minibatch_refs(
+            self.buffer, encoded, {}, len(pairs), training.minibatch_size, self.cfg.seed + step, training.epochs
+        )
+        metrics = self.learners.run("rm_step", minibatches)[0]  # identical on every rank
+        ray.get(stored)
+        return metrics
 
     def save(self) -> Path:
         path = self.out_dir / "reward_model"

@@ -31,6 +31,7 @@ from pipelines.algos.sampling import SamplingSpec
 from pipelines.config import NODE_TYPE_RESOURCE, NODE_TYPE_SHARE, RaypoConfig
 from pipelines.data.preferences import encode_pairs_for
 from pipelines.rl.experience import concat_batches, prepare_experience
+from pipelines.rl.recovery import ActorWatch
 
 
 def actor_name(cfg: RaypoConfig, role: str) -> str:
@@ -52,6 +53,7 @@ class Roles:
     encode_pairs: RemoteFunction  # data/preferences.py's encode_pairs_for(model_dir, pairs), as a Ray task
     model_dir: str  # the policy's starting weights and tokenizer
     placement: Placement  # the run's placement group: which bundle, and so which node, each role took
+    watch: ActorWatch  # which of the restartable roles Ray restarted (rl/recovery.py)
     reference: ActorHandle[ReferenceActor] | None = None  # only for DPO or a KL term (algo.uses_reference)
     value: ActorHandle[ValueActor] | None = None  # only with a critic (algo.advantage = gae)
 
@@ -190,11 +192,19 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
     )
 
 
-def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement) -> Roles:
-    """Start every role of the run, each in its bundle of `placement`."""
+def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement, checkpoints: str | None = None) -> Roles:
+    """Start every role of the run, each in its bundle of `placement`. Ray restarts the roles but
+    the learners when their process dies; restarted, the reward model and critic come back from
+    the newest whole checkpoint under `checkpoints`."""
     res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
+
+    def options(role: str, retry_calls: bool = True) -> dict:
+        restarts = res.max_actor_restarts
+        retries = restarts if retry_calls else 0  # a rollout engine's calls are re-issued by the driver, with weights
+        return placement.options(role, name=actor_name(cfg, role), max_restarts=restarts, max_task_retries=retries)
+
     rollouts = [
-        RolloutActor.options(**placement.options(f"rollout-{i}", name=actor_name(cfg, f"rollout-{i}"))).remote(
+        RolloutActor.options(**options(f"rollout-{i}", retry_calls=False)).remote(
             str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction
         )
         for i in range(res.num_rollout_workers)
@@ -213,20 +223,23 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
             batch_size=cfg.training.minibatch_size,
             seed=cfg.seed,
         )
-    reward = RewardActor.options(**placement.options("reward")).remote(terms, rw.normalize, rw.value_range, refresh)
+    reward = RewardActor.options(**options("reward")).remote(terms, rw.normalize, rw.value_range, refresh, checkpoints)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
-    buffer = ExperienceBuffer.options(**placement.options("buffer")).remote(1, spill_dir)
+    buffer = ExperienceBuffer.options(**options("buffer")).remote(1, spill_dir)
+    restartable = {**{f"rollout-{i}": r for i, r in enumerate(rollouts)}, "reward": reward, "buffer": buffer}
     reference = None
     if cfg.algo.uses_reference:
         # in the learner's dtype (its bf16 mode, else float32), so policy and reference agree at step 0
-        reference = ReferenceActor.options(**placement.options("reference")).remote(
+        reference = ReferenceActor.options(**options("reference")).remote(
             str(model_dir), cfg.inference.temperature, threads, "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
         )
+        restartable["reference"] = reference
     value = None
     if cfg.algo.uses_critic:
-        value = ValueActor.options(**placement.options("value")).remote(
-            str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads
+        value = ValueActor.options(**options("value")).remote(
+            str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads, checkpoints
         )
+        restartable["value"] = value
     learners = LearnerGroup(learner_spec(cfg, model_dir), placement, res.num_learners)
     helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
     return Roles(
@@ -240,6 +253,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         encode_pairs=ray.remote(encode_pairs_for).options(**helper),
         model_dir=str(model_dir),
         placement=placement,
+        watch=ActorWatch(restartable, res.max_actor_restarts),
         reference=reference,
         value=value,
     )

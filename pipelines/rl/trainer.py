@@ -28,8 +28,8 @@ import ray.exceptions as rex
 from ray.util.placement_group import PlacementGroup
 from tqdm import tqdm
 
-from actors.common import connect_ray
 from actors.placement import Placement
+from pipelines.cluster import connect_ray
 from pipelines.config import RaypoConfig
 from pipelines.data import storage
 from pipelines.data.dataset import load_task
@@ -38,14 +38,14 @@ from pipelines.data.preferences import heldout_pairs
 from pipelines.data.tasks import Problem, Task
 from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
-from pipelines.rl.checkpoints import checkpoint_step, load_checkpoint, newest_valid_checkpoint, save_checkpoint
+from pipelines.rl.checkpoints import load_checkpoint, save_checkpoint
 from pipelines.rl.dpo import dpo_evaluate, dpo_step
 from pipelines.rl.evaluation import evaluate_with_roles
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
-from pipelines.rl.phases import prompts_at
+from pipelines.rl.phases import prompts_at, restart_engines
 from pipelines.rl.ppo import ppo_step
-from pipelines.rl.recovery import UpdateGuard
+from pipelines.rl.recovery import RecoveryError, UpdateGuard
 from pipelines.rl.roles import Roles, build_roles, reserve, resource_plan
 
 MetricsCallback = Callable[[dict], None]
@@ -104,7 +104,7 @@ class Trainer:
         self.eval_problems = self.task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
         # where a refreshed reward model's Kendall tau is measured (the pairs raypo train-rm checks on)
         self.rm_heldout = heldout_pairs(self.eval_problems, cfg.seed) if cfg.reward.refresh_every else []
-        self.roles: Roles = build_roles(cfg, model_dir, self.out_dir, placement)
+        self.roles: Roles = build_roles(cfg, model_dir, self.out_dir, placement, self.ckpt_root)
         self.placement = placement.where()
         for where in self.placement:
             node = f"{where['node_ip']} {(where['node_id'] or '?')[-8:]}"
@@ -119,6 +119,7 @@ class Trainer:
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
         writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
+        restart_engines(self.roles, [0])  # the evaluation's engine: with the current weights, if it was restarted
         summary, rows = evaluate_with_roles(self.roles, self.cfg, self.eval_problems)
         write_rows(self.out_dir / f"eval_{label}.jsonl", rows)
         if self.pipeline.evaluate is not None:
@@ -150,6 +151,8 @@ class Trainer:
                 metrics = self._one_step(step, problems)
                 if guard.record(metrics):
                     metrics |= self._roll_back(step, guard, state)
+                self.roles.watch.restarted()  # logs the roles Ray restarted during the step (it re-ran their calls)
+                metrics["actor_restarts"] = self.roles.watch.total()
                 if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                     metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
@@ -197,7 +200,7 @@ class Trainer:
 
     def _resume(self) -> dict:
         """The trainer's state at the newest whole checkpoint, whose weights the roles now hold."""
-        ckpt, skipped = newest_valid_checkpoint(self.ckpt_root)
+        ckpt, skipped = storage.newest_whole(self.ckpt_root)
         for name, why in skipped:
             print(f"--resume: skipped checkpoint {name}: {why}", file=sys.stderr, flush=True)
         if ckpt is None:
@@ -216,7 +219,7 @@ class Trainer:
         (and critic, reward model) and the engines back to the newest whole checkpoint from before
         the first failure, the learning rate lowered by `training.rollback_lr_factor`."""
         failed, first = guard.failed_in_a_row, step - guard.failed_in_a_row + 1
-        ckpt, _ = newest_valid_checkpoint(self.ckpt_root, at_most=first)
+        ckpt, _ = storage.newest_whole(self.ckpt_root, at_most=first)
         if ckpt is None:
             raise TrainingError(
                 f"{failed} updates in a row failed (non-finite loss or gradient, steps {first}-{step}) and there is no "
@@ -231,7 +234,7 @@ class Trainer:
             file=sys.stderr,
             flush=True,
         )
-        return {"rollback_to": checkpoint_step(ckpt), "lr_scale": state["lr_scale"]}
+        return {"rollback_to": storage.step_of(ckpt), "lr_scale": state["lr_scale"]}
 
     def _one_step(self, step: int, problems: list[Problem]) -> dict:
         started = time.monotonic()
@@ -338,6 +341,8 @@ def ray_session(cfg: RaypoConfig, address: str | None = None) -> Iterator[bool]:
         yield started_ray
     except (rex.RayError, rex.RayTaskError) as err:
         raise TrainingError(_describe_failure(err)) from err
+    except RecoveryError as err:
+        raise TrainingError(str(err)) from err
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -30,7 +30,7 @@ from ray.util.placement_group import get_current_placement_group
 from rich.console import Console
 from rich.table import Table
 
-from actors.common import connect_ray
+from pipelines.cluster import connect_ray
 from pipelines.config import ConfigError, RaypoConfig, Strict, config_from_dict, load_config, set_dotted
 from pipelines.data import storage
 from pipelines.rl.roles import pins_node_types, resource_plan
