@@ -13,7 +13,7 @@ from pipelines.data.storage import StorageError, newest_whole
 
 
 class Restartable:
-    """A role Ray restarts when its process dies (`max_restarts`); the driver tells a restart by its pid."""
+    """A role whose process may die: Ray restarts it (`max_restarts`), and the driver tells a restart by its pid."""
 
     def pid(self) -> int:
         return os.getpid()

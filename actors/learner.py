@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import ray
 
-from actors.common import fetch_each, limit_threads, on_this_node
+from actors.common import Restartable, fetch_each, limit_threads, on_this_node
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
 from actors.placement import Bundle, Placement
@@ -16,8 +16,8 @@ from pipelines.algos.losses import DPOSpec, LossSpec
 from pipelines.data.storage import reading, writing
 
 
-@ray.remote(max_restarts=0)
-class LearnerActor:
+@ray.remote(max_restarts=0)  # a rank that dies takes its world with it: the driver rebuilds the group (LearnerLost)
+class LearnerActor(Restartable):
     def __init__(self, threads: int = 1):
         limit_threads(threads)
         self.learner: Learner | None = None
@@ -81,15 +81,26 @@ class LearnerActor:
             self.learner.load_checkpoint(path)
 
 
+class LearnerLost(RuntimeError):
+    """A learner rank's process died; the rest of its group, which would wait for it in their
+    collectives, were stopped at once. The message names the rank and the cause."""
+
+
+LIVENESS_EVERY_S = 1.0  # while a call runs, how often the group checks that no rank's process is gone
+
+
 class LearnerGroup(ActorGroup):
     """The learners, one per `learner-i` bundle of the run's placement, wired into one world.
     Drive them with `run` / `run_async` (every rank must take part in each call)."""
 
-    def __init__(self, spec: LearnerSpec, placement: Placement, num_learners: int):
+    def __init__(self, spec: LearnerSpec, placement: Placement, num_learners: int, names: list[str] | None = None):
+        """`names`: the ranks' actor names (for tools and dashboards), if any."""
         roles = [f"learner-{rank}" for rank in range(num_learners)]
         super().__init__(
-            LearnerActor.options(**placement.options(role)).remote(threads=max(1, int(placement.options(role)["num_cpus"])))
-            for role in roles
+            LearnerActor.options(**placement.options(role, **({"name": names[rank]} if names else {}))).remote(
+                threads=max(1, int(placement.options(role)["num_cpus"]))
+            )
+            for rank, role in enumerate(roles)
         )
         addr, port = self.address()
         ray.get([a.init.remote(spec, rank, num_learners, addr, port) for rank, a in enumerate(self.actors)])
@@ -108,15 +119,64 @@ class LearnerGroup(ActorGroup):
         group.own_placement = placement
         return group
 
+    def run(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every rank and return the results in rank order (see `wait`)."""
+        refs = self.run_async(method, *args, **kwargs)
+        self.wait(refs)
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError:
+            for rank, ref in enumerate(refs):  # a dead rank, whose peers' collectives failed too ("closed by peer")?
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self._lost(rank, err)
+                except ray.exceptions.RayError:
+                    pass
+            raise
+
+    def wait(self, refs: list[ray.ObjectRef]) -> None:
+        """Wait (without fetching) until every rank's call `refs` is done. The moment a rank's
+        process is gone, stop the group and raise LearnerLost, where the other ranks would wait
+        for it inside a collective until its timeout (10 minutes and more)."""
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=LIVENESS_EVERY_S, fetch_local=False)
+            if pending:
+                probes = [actor.__ray_ready__.remote() for actor in self.actors]  # queued behind a busy rank's call
+                ready, _ = ray.wait(probes, num_returns=len(probes), timeout=0.2)  # a dead rank's fails at once
+                for rank, probe in enumerate(probes):
+                    if probe in ready and _failed(probe):
+                        try:
+                            ray.get(probe)
+                        except ray.exceptions.RayActorError as err:
+                            self._lost(rank, err)
+
+    def _lost(self, rank: int, err: Exception):
+        self.kill()
+        cause = str(err).splitlines()[0][:300]
+        raise LearnerLost(f"learner rank {rank} of {len(self.actors)} died ({cause})") from err
+
     def address(self) -> tuple[str, int]:
         """An address on rank 0's node with a free port, to host a process group there."""
         return ray.get(self.actors[0].address.remote())
 
     def state_dict_ref(self) -> ray.ObjectRef:
         """A ref to the full weights; every rank takes part (ZeRO-3 gathers), rank 0's is used."""
-        return self.run_async("state_dict")[0]
+        refs = self.run_async("state_dict")
+        self.wait(refs)
+        return refs[0]
 
     def shutdown(self) -> None:
         self.kill()
         if self.own_placement is not None:
             self.own_placement.remove()
+
+
+def _failed(ref: ray.ObjectRef) -> bool:
+    """Whether a finished call's result is an error (fetching only a small error or None)."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayError:
+        return True
+    return False

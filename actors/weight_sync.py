@@ -37,11 +37,15 @@ class WeightSync:
         """Bring `engines`, restarted with the starting weights, to the current version."""
         raise NotImplementedError
 
+    def rewire(self, learners: LearnerGroup) -> None:
+        """Take weights from `learners` from now on (a group rebuilt after a rank died)."""
+        self.learners = learners
+
 
 class ObjectStoreSync(WeightSync):
     def push(self, version: int) -> None:
+        self.version = version  # what an engine restarted meanwhile is given, too
         self._send(self.rollouts, version)
-        self.version = version
 
     def restore(self, engines: Sequence[ActorHandle]) -> None:
         if self.version:
@@ -69,15 +73,19 @@ class BroadcastSync(WeightSync):
 
     def push(self, version: int) -> None:
         """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
+        self.version = version
         sends = self.learners.run_async("broadcast_weights")
         loads = [r.receive_weights.remote(self.layout, version) for r in self.rollouts]
         ray.get(sends + loads)
-        self.version = version
 
     def restore(self, engines: Sequence[ActorHandle]) -> None:
         """A restarted engine left the group: form it again with every engine, and broadcast."""
         self._form_group()
         self.push(self.version)
+
+    def rewire(self, learners: LearnerGroup) -> None:
+        super().rewire(learners)
+        self._form_group()
 
 
 def transport(setting: str, use_gpu: bool) -> str:

@@ -267,7 +267,8 @@ class AlgoConfig(Strict):
     def _algorithm_defaults(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {**ALGORITHM_DEFAULTS.get(data.get("name", "grpo"), {}), **data}
+        name = data.get("name", "grpo")
+        return {**ALGORITHM_DEFAULTS.get(name if isinstance(name, str) else "", {}), **data}  # a bad name: refused below
 
     @field_validator("advantage", "policy_loss")
     @classmethod
@@ -360,6 +361,8 @@ class TrainingConfig(Strict):
     )
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="multiply the learning rate by this at each rollback")
     spill_experience: bool = Field(False, description="write each step's experience to runs/<name>/experience/*.parquet")
+    spill_max_gb: float = Field(1.0, ge=0, description="spilled experience kept: the oldest files go past this (0 = no limit)")
+    spill_max_age_hours: float = Field(168, ge=0, description="spilled experience older than this is deleted (0 = kept)")
     storage_path: str | None = Field(
         None,
         description="where the run's checkpoints, final/ policy, metrics and summary go: a directory every node can "
@@ -466,6 +469,10 @@ def parse_cpu_list(value: Any) -> list[int]:
     """
     if value is None:
         return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, str | list | tuple):
+        raise ValueError(f"must be a list of CPU ids or ranges such as [0-3, 8], got {type(value).__name__}")
     items = value.split(",") if isinstance(value, str) else list(value)
     cores: set[int] = set()
     for item in items:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from actors.core.buffer import Buffer, to_numpy, to_record_batch
+from actors.core.buffer import Buffer, CorruptSpill, checksum_path, enforce_limits, spill_files, to_numpy, to_record_batch
 
 
 def _experience(n=6, width=3, seed=0):
@@ -55,3 +55,36 @@ def test_bad_experience_is_rejected():
         buf.add({"a": np.zeros((2, 2, 2))})
     with pytest.raises(LookupError, match="empty"):
         Buffer().minibatches(2)
+
+
+def test_a_corrupt_truncated_or_unfinished_spill_is_quarantined_not_read(tmp_path):
+    buf = Buffer(max_steps=3)
+    paths = []
+    for step in range(3):
+        buf.add(_experience(seed=step))
+        paths.append(buf.spill(tmp_path / f"step_{step:06d}.parquet"))
+    np.testing.assert_array_equal(Buffer.read(paths[0])["response_ids"], _experience(seed=0)["response_ids"])
+    data = paths[0].read_bytes()
+    paths[0].write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])  # same size, flipped bytes
+    paths[1].write_bytes(paths[1].read_bytes()[:-50])  # truncated
+    checksum_path(paths[2]).unlink()  # a write that did not finish
+    for path, why in zip(paths, ["does not match its checksum", "bytes, ", "no checksum beside it"], strict=True):
+        with pytest.raises(CorruptSpill, match=f"{path}: .*{why}.*moved to .*quarantine.*not trained on"):
+            Buffer.read(path)
+        assert not path.exists() and (tmp_path / "quarantine" / path.name).exists()
+    assert spill_files(tmp_path) == []
+
+
+def test_the_spill_directory_keeps_within_its_size_and_age(tmp_path):
+    buf = Buffer()
+    for step in range(5):
+        buf.add(_experience(seed=step))
+        buf.spill(tmp_path / f"step_{step:06d}.parquet")
+    one = (tmp_path / "step_000000.parquet").stat().st_size
+    removed = enforce_limits(tmp_path, max_bytes=int(3.5 * one), max_age_s=0)
+    assert [p.name for p in removed] == ["step_000000.parquet", "step_000001.parquet"]
+    assert [p.name for p in spill_files(tmp_path)] == ["step_000002.parquet", "step_000003.parquet", "step_000004.parquet"]
+    now = (tmp_path / "step_000004.parquet").stat().st_mtime + 7200
+    assert len(enforce_limits(tmp_path, max_bytes=0, max_age_s=3600, now=now)) == 2  # the newest file always stays
+    assert [p.name for p in spill_files(tmp_path)] == ["step_000004.parquet"]
+    assert not list(tmp_path.glob("step_000000*"))  # the checksum files went with them

@@ -3,7 +3,9 @@ end a run with a message naming the cause while the last checkpoint stays valid.
 
 import json
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -202,11 +204,15 @@ def _process_of(run: str, role: str) -> int:
 def test_roles_whose_process_dies_are_restarted_and_the_run_loses_nothing(local_ray, tiny_model, tmp_path, capsys):
     """SIGKILL to the process of the rollout engine, the reward, the reference and the buffer, one
     after each of steps 0-3: Ray restarts each, the driver re-issues their lost work (the engine
-    gets the current weights first), and every step's metrics equal an undisturbed run's."""
+    gets the current weights first), and every step's metrics equal an undisturbed run's. The
+    restarted buffer takes its step back from its spill file, which was corrupted: quarantined."""
     undisturbed = [json.loads(x) for x in _run_lines(tmp_path, "calm")]
     kills = {0: "rollout-0", 1: "reward", 2: "reference", 3: "buffer"}
+    spilled = tmp_path / "chaos" / "experience" / "step_000003.parquet"
 
     def kill_one(metrics):
+        if metrics["step"] == 3:
+            spilled.write_bytes(spilled.read_bytes()[:-64])
         if metrics["step"] in kills:
             os.kill(_process_of("chaos", kills[metrics["step"]]), signal.SIGKILL)
 
@@ -215,14 +221,44 @@ def test_roles_whose_process_dies_are_restarted_and_the_run_loses_nothing(local_
     for role in kills.values():
         assert f"recovered: {role} lost its process" in said, role
     assert [m["actor_restarts"] for m in lines] == [0, 1, 2, 3, 4]  # each counted at the step after its kill
+    assert [m["buffer_quarantined"] for m in lines] == [0, 0, 0, 0, 1] and (spilled.parent / "quarantine" / spilled.name).exists()
     for calm, chaos in zip(undisturbed, lines, strict=True):
         assert {k: chaos[k] for k in EXACT} == {k: calm[k] for k in EXACT}, calm["step"]
 
 
 def _run_lines(tmp_path, name, on_metrics=None) -> list[str]:
-    cfg = _cfg(tmp_path, "grpo_tiny.yaml", f"name={name}", "training.steps=5", "task.eval_problems=20")
+    cfg = _cfg(
+        tmp_path, "grpo_tiny.yaml", f"name={name}", "training.steps=5", "task.eval_problems=20", "training.spill_experience=true"
+    )
     train(cfg, on_metrics=on_metrics)
     return (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+
+
+def test_a_dead_learner_rank_is_seen_at_once_and_the_group_rebuilt_from_the_checkpoint(local_ray, tiny_model, tmp_path, capsys):
+    """Two learner ranks; rank 1's process is killed after step 2. Rank 0 would wait for it in its
+    next all-reduce until gloo's timeout; the group sees the death within seconds, is rebuilt in
+    its bundles from step 2's checkpoint, and trains steps 2-4 again: step 2 comes out as before."""
+    cfg = _cfg(
+        tmp_path, "grpo_tiny.yaml", "name=rank", "training.steps=5", "training.save_every=2", "task.eval_problems=20",
+        "resource.num_learners=2", "resource.cpus_per_learner=0.5",
+    )  # fmt: skip
+    seen = []
+
+    def kill_rank_1_after_step_2(metrics):
+        seen.append(metrics)
+        if len(seen) == 3:
+            os.kill(_process_of("rank", "learner-1"), signal.SIGKILL)
+
+    started = time.monotonic()
+    summary = train(cfg, on_metrics=kill_rank_1_after_step_2)
+    said = capsys.readouterr().err
+    rebuilt = r"recovered: learner rank 1 of 2 died .*rebuilt from \S+step_000002 in [\d.]+ s .*from step 2"
+    assert re.search(rebuilt, said), said[-3000:]
+    assert time.monotonic() - started < 300  # not a collective's 10-minute timeout
+    assert [m["step"] for m in seen] == [0, 1, 2, 2, 3, 4] and summary["steps"] == 5
+    lines = [json.loads(x) for x in (tmp_path / "rank" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4] and all(m["update_success"] == 1 for m in lines)
+    assert {k: seen[3][k] for k in EXACT} == {k: seen[2][k] for k in EXACT}
 
 
 def test_a_role_that_cannot_be_restarted_ends_the_run_and_keeps_the_last_checkpoint(local_ray, tiny_model, tmp_path):

@@ -48,8 +48,8 @@ def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int =
 
 
 def load_checkpoint(roles: Roles, location: str) -> dict:
-    """Restore the learners, critic and reward model from `location` and push its weights to the
-    engines; returns the trainer's state."""
+    """Restore the learners (their learning-rate scale too), critic and reward model from
+    `location` and push its weights to the engines; returns the trainer's state."""
     roles.learners.run("load_checkpoint", location)
     extras = [roles.reward.load.remote(storage.join(location, "reward"))]
     if roles.value is not None:
@@ -59,5 +59,6 @@ def load_checkpoint(roles: Roles, location: str) -> dict:
     if text is None:
         raise FileNotFoundError(f"checkpoint {location!r} has no trainer_state.json")
     state = json.loads(text)
+    roles.learners.run("set_lr_scale", state.get("lr_scale", 1.0))  # lowered by a rollback before the checkpoint
     roles.weight_sync.push(state["step"])
     return state

@@ -84,14 +84,22 @@ class Sinks:
 
     def __init__(self, out_dir: Path, resume_step: int = 0, run: str = ""):
         self.out_dir, self.run = out_dir, run or out_dir.name
-        path = out_dir / "metrics.jsonl"
-        # On resume, drop the lines of steps after the checkpoint: they will be run again.
-        kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] < resume_step] if path.exists() else []
+        self.gauges: dict[str, Callable] = {}
+        self._open(resume_step)
+
+    def _open(self, from_step: int) -> None:
+        # On resume, drop the lines of steps from the checkpoint's on: they will be run again.
+        path = self.out_dir / "metrics.jsonl"
+        kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] < from_step] if path.exists() else []
         path.write_text("".join(ln + "\n" for ln in kept))
         self.history = [json.loads(ln) for ln in kept]
         self.jsonl = open(path, "a")
-        self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
-        self.gauges: dict[str, Callable] = {}
+        self.tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=from_step)
+
+    def rewind(self, step: int) -> None:
+        """Drop the metrics of step `step` and after (the run trains them again, from a checkpoint)."""
+        self.close()
+        self._open(step)
 
     def write(self, metrics: dict) -> None:
         self.history.append(metrics)

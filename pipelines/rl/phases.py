@@ -180,7 +180,8 @@ def store_learn_sync(
     try:
         roles.weight_sync.push(step + 1)
     except ray.exceptions.RayActorError:
-        restart_engines(roles, range(len(roles.rollouts)))  # an engine died as it loaded them: give it the weights
+        if not restart_engines(roles, range(len(roles.rollouts))):  # an engine died as it loaded them: give it the weights
+            raise
     phases.done("sync")
     return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.times}
 
@@ -191,4 +192,4 @@ def reward_floor(cfg: RaypoConfig) -> float:
 
 
 def buffer_metrics(size: dict) -> dict:
-    return {"buffer_rows": size["rows"], "buffer_bytes": size["bytes"]}
+    return {"buffer_rows": size["rows"], "buffer_bytes": size["bytes"], "buffer_quarantined": size["quarantined"]}

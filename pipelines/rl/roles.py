@@ -57,6 +57,12 @@ class Roles:
     reference: ActorHandle[ReferenceActor] | None = None  # only for DPO or a KL term (algo.uses_reference)
     value: ActorHandle[ValueActor] | None = None  # only with a critic (algo.advantage = gae)
 
+    def rebuild_learners(self, spec: LearnerSpec) -> None:
+        """A new learner group in the bundles of the old one (stopped: a rank died), wired to the engines."""
+        self.learners.kill()
+        self.learners = LearnerGroup(spec, self.placement, len(self.learners.actors))
+        self.weight_sync.rewire(self.learners)
+
     def shutdown(self) -> None:
         """End every actor of the run and free its placement group."""
         for actor in [*self.rollouts, self.reward, self.buffer, self.reference, self.value]:
@@ -225,7 +231,8 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         )
     reward = RewardActor.options(**options("reward")).remote(terms, rw.normalize, rw.value_range, refresh, checkpoints)
     spill_dir = str(out_dir / "experience") if cfg.training.spill_experience else None
-    buffer = ExperienceBuffer.options(**options("buffer")).remote(1, spill_dir)
+    tr = cfg.training
+    buffer = ExperienceBuffer.options(**options("buffer")).remote(1, spill_dir, tr.spill_max_gb, tr.spill_max_age_hours)
     restartable = {**{f"rollout-{i}": r for i, r in enumerate(rollouts)}, "reward": reward, "buffer": buffer}
     reference = None
     if cfg.algo.uses_reference:
@@ -240,7 +247,8 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
             str(model_dir), cfg.training.lr, cfg.training.grad_clip, cfg.algo.value_clip, cfg.seed, threads, checkpoints
         )
         restartable["value"] = value
-    learners = LearnerGroup(learner_spec(cfg, model_dir), placement, res.num_learners)
+    names = [actor_name(cfg, f"learner-{rank}") for rank in range(res.num_learners)]
+    learners = LearnerGroup(learner_spec(cfg, model_dir), placement, res.num_learners, names)
     helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
     return Roles(
         rollouts=rollouts,

@@ -28,6 +28,7 @@ import ray.exceptions as rex
 from ray.util.placement_group import PlacementGroup
 from tqdm import tqdm
 
+from actors.learner import LearnerLost
 from actors.placement import Placement
 from pipelines.cluster import connect_ray
 from pipelines.config import RaypoConfig
@@ -46,7 +47,7 @@ from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at, restart_engines
 from pipelines.rl.ppo import ppo_step
 from pipelines.rl.recovery import RecoveryError, UpdateGuard
-from pipelines.rl.roles import Roles, build_roles, reserve, resource_plan
+from pipelines.rl.roles import Roles, build_roles, learner_spec, reserve, resource_plan
 
 MetricsCallback = Callable[[dict], None]
 
@@ -133,47 +134,24 @@ class Trainer:
         start_step = state.get("step", 0)
         if "eval_start" not in state:
             state["eval_start"] = self.evaluate("start")
-        stream = self.task.stream("train", cfg.seed)
-        for _ in range(sum(prompts_at(cfg, s) for s in range(start_step))):  # the prompts earlier steps used
-            next(stream)
         sinks = Sinks(self.out_dir, resume_step=start_step, run=cfg.name)
-        alerts = Alerts(
-            cfg.monitor, reward_span=2.0 if cfg.reward.normalize else cfg.reward.value_range[1] - cfg.reward.value_range[0]
-        )
-        for past in sinks.history:
-            alerts.check(past)
-        guard = UpdateGuard(cfg.training, sinks.history, lr_scale=state.get("lr_scale", 1.0))
         bar = tqdm(total=cfg.training.steps, initial=start_step, desc=f"{cfg.algo.name} {cfg.name}", dynamic_ncols=True)
-        step = start_step
+        end_step, rebuilds = start_step, 0
         try:
-            for step in range(start_step, cfg.training.steps):
-                problems = [next(stream) for _ in range(prompts_at(cfg, step))]
-                metrics = self._one_step(step, problems)
-                if guard.record(metrics):
-                    metrics |= self._roll_back(step, guard, state)
-                self.roles.watch.restarted()  # logs the roles Ray restarted during the step (it re-ran their calls)
-                metrics["actor_restarts"] = self.roles.watch.total()
-                if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
-                    metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
-                    metrics |= {f"eval/{k}": v for k, v in self.evaluate(f"step_{step + 1}").items()}
-                metrics["alerts"] = alerts.check(metrics)
-                for alert in alerts.to_print(step, metrics["alerts"]):
-                    bar.write(f"warning: step {step}: {alert}")
-                sinks.write(metrics)
-                if self.on_metrics:
-                    self.on_metrics(metrics)
-                bar.set_postfix({k: f"{metrics[k]:.4g}" for k in PROGRESS_KEYS if metrics.get(k) is not None})
-                bar.update()
-                every = cfg.training.save_every
-                if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
-                    save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints)
-                    self.upload()
+            while True:
+                try:
+                    end_step = self._steps(end_step, state, sinks, bar)
+                    break
+                except LearnerLost as lost:
+                    rebuilds += 1
+                    end_step = self._rebuild_learners(lost, rebuilds, state)
+                    sinks.rewind(end_step)
+                    bar.n = end_step
+                    bar.refresh()
         finally:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
-        end_step = max(step + 1, start_step) if cfg.training.steps > start_step else start_step
         ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state, cfg.training.keep_checkpoints)
         final = storage.join(self.location, "final")
         storage.copy_dir(storage.join(ckpt, "policy"), final)
@@ -198,6 +176,65 @@ class Trainer:
         self.upload()
         return summary
 
+    def _steps(self, start_step: int, state: dict, sinks: Sinks, bar: tqdm) -> int:
+        """Train from `start_step` to the end (the prompt stream, alerts and update counts taken
+        up from the metrics of the steps before); returns the steps done."""
+        cfg = self.cfg
+        stream = self.task.stream("train", cfg.seed)
+        for _ in range(sum(prompts_at(cfg, s) for s in range(start_step))):  # the prompts earlier steps used
+            next(stream)
+        span = 2.0 if cfg.reward.normalize else cfg.reward.value_range[1] - cfg.reward.value_range[0]
+        alerts = Alerts(cfg.monitor, reward_span=span)
+        for past in sinks.history:
+            alerts.check(past)
+        guard = UpdateGuard(cfg.training, sinks.history, lr_scale=state.get("lr_scale", 1.0))
+        for step in range(start_step, cfg.training.steps):
+            problems = [next(stream) for _ in range(prompts_at(cfg, step))]
+            metrics = self._one_step(step, problems)
+            if guard.record(metrics):
+                metrics |= self._roll_back(step, guard, state)
+            self.roles.watch.restarted()  # logs the roles Ray restarted during the step (it re-ran their calls)
+            metrics["actor_restarts"] = self.roles.watch.total()
+            if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
+                metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
+                metrics |= {f"eval/{k}": v for k, v in self.evaluate(f"step_{step + 1}").items()}
+            metrics["alerts"] = alerts.check(metrics)
+            for alert in alerts.to_print(step, metrics["alerts"]):
+                bar.write(f"warning: step {step}: {alert}")
+            sinks.write(metrics)
+            if self.on_metrics:
+                self.on_metrics(metrics)
+            bar.set_postfix({k: f"{metrics[k]:.4g}" for k in PROGRESS_KEYS if metrics.get(k) is not None})
+            bar.update()
+            every = cfg.training.save_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
+                save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints)
+                self.upload()
+        return max(cfg.training.steps, start_step)
+
+    def _rebuild_learners(self, lost: LearnerLost, rebuilds: int, state: dict) -> int:
+        """A learner rank died (the group was stopped at once): a new group in the same bundles,
+        restored from the newest whole checkpoint (else the starting weights), the engines given
+        its weights. Returns the step to train on from; the metrics after it are dropped."""
+        bound = self.cfg.resource.max_actor_restarts
+        if rebuilds > bound:
+            raise TrainingError(f"{lost}; the learners were rebuilt {bound} times already (resource.max_actor_restarts)")
+        started = time.monotonic()
+        self.roles.rebuild_learners(learner_spec(self.cfg, self.model_dir))
+        ckpt, _ = storage.newest_whole(self.ckpt_root)
+        restored = load_checkpoint(self.roles, ckpt) if ckpt else {"step": 0}
+        if not ckpt:
+            self.roles.weight_sync.push(0)  # the starting weights, which the new group holds
+        state.update({k: v for k, v in restored.items() if k != "step"})
+        print(
+            f"recovered: {lost}; the learners were rebuilt from {ckpt or 'the starting weights'} in "
+            f"{time.monotonic() - started:.1f} s (rebuild {rebuilds} of {bound}); training again from step {restored['step']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return restored["step"]
+
     def _resume(self) -> dict:
         """The trainer's state at the newest whole checkpoint, whose weights the roles now hold."""
         ckpt, skipped = storage.newest_whole(self.ckpt_root)
@@ -207,8 +244,6 @@ class Trainer:
             found = f" ({len(skipped)} found, none whole)" if skipped else ""
             raise TrainingError(f"--resume: no whole checkpoint under {self.ckpt_root}{found}")
         state = load_checkpoint(self.roles, ckpt)
-        if state.get("lr_scale", 1.0) != 1.0:  # lowered by a rollback before the checkpoint
-            self.roles.learners.run("set_lr_scale", state["lr_scale"])
         if storage.is_uri(self.location) and (metrics := storage.read_text(storage.join(self.location, "metrics.jsonl"))):
             (self.out_dir / "metrics.jsonl").write_text(metrics)  # the steps before the checkpoint, kept by Sinks
         print(f"resumed from {ckpt} at step {state['step']}")
