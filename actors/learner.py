@@ -139,18 +139,22 @@ class LearnerGroup(ActorGroup):
         """Wait (without fetching) until every rank's call `refs` is done. The moment a rank's
         process is gone, stop the group and raise LearnerLost, where the other ranks would wait
         for it inside a collective until its timeout (10 minutes and more)."""
-        pending = list(refs)
+        pending, probes = list(refs), {}
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=LIVENESS_EVERY_S, fetch_local=False)
-            if pending:
-                probes = [actor.__ray_ready__.remote() for actor in self.actors]  # queued behind a busy rank's call
-                ready, _ = ray.wait(probes, num_returns=len(probes), timeout=0.2)  # a dead rank's fails at once
-                for rank, probe in enumerate(probes):
-                    if probe in ready and _failed(probe):
-                        try:
-                            ray.get(probe)
-                        except ray.exceptions.RayActorError as err:
-                            self._lost(rank, err)
+            if not pending:
+                return
+            for rank, actor in enumerate(self.actors):  # one probe per rank at a time, queued behind a busy rank's call
+                if rank not in probes:
+                    probes[rank] = actor.__ray_ready__.remote()
+            ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0.2)  # a dead rank's fails at once
+            for rank, probe in list(probes.items()):
+                if probe in ready:
+                    del probes[rank]
+                    try:
+                        ray.get(probe)
+                    except ray.exceptions.RayActorError as err:
+                        self._lost(rank, err)
 
     def _lost(self, rank: int, err: Exception):
         self.kill()
@@ -171,12 +175,3 @@ class LearnerGroup(ActorGroup):
         self.kill()
         if self.own_placement is not None:
             self.own_placement.remove()
-
-
-def _failed(ref: ray.ObjectRef) -> bool:
-    """Whether a finished call's result is an error (fetching only a small error or None)."""
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayError:
-        return True
-    return False

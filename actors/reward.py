@@ -93,11 +93,10 @@ class RewardActor(Restartable):
         """Restore what `save` wrote: the reward model's weights, the refresh count and pending pairs."""
         if self.labeler is None:
             return
-        from safetensors.torch import load_file  # torch: only a refreshed model: term needs it
+        from transformers import AutoModelForSequenceClassification  # only a refreshed model: term needs it
 
         with on_this_node("reward", "read", location), reading(location) as path:
-            model = self.scorer.model_term()
-            model.model.load_state_dict(load_file(str(path / "model" / "model.safetensors")))
+            self.scorer.model_term().model = AutoModelForSequenceClassification.from_pretrained(path / "model").eval()
             state = json.loads((path / "refresh_state.json").read_text())
         self.refreshes = state["refreshes"]
         self.recent = {int(step): [PreferencePair(**p) for p in pairs] for step, pairs in state["recent"].items()}

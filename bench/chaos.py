@@ -127,6 +127,12 @@ def main() -> int:
     last = disturbed["metrics"][-1]
     print(f"\nchaos run (seed {args.seeds[0]}): actor restarts {last['actor_restarts']}, quarantined spill files "
           f"{last['buffer_quarantined']}, update success rate {last['update_success_rate']:.3f}")  # fmt: skip
+    nan_step = next(s + 1 for s, f in faults.items() if f == "nan update") if "nan update" in faults.values() else args.steps
+    same = sum(
+        all(c[k] == d[k] for k in ("loss", "reward_mean", "grad_norm"))
+        for c, d in zip(calm[0]["metrics"][:nan_step], disturbed["metrics"][:nan_step], strict=True)
+    )
+    print(f"steps before the NaN update whose loss, reward and grad norm equal the undisturbed run's: {same} of {nan_step}")
     accuracies = [r["accuracy"] for r in calm]
     print("| run | seed | steps | held-out accuracy | wall s |")
     print("|---|---|---|---|---|")

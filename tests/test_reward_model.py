@@ -69,6 +69,7 @@ def test_grpo_on_the_learned_rm_refreshes_it_during_the_run_and_keeps_going(trai
         "reward.normalize=false",
         "reward.refresh_every=2",
         "reward.refresh_steps=10",
+        "training.save_every=2",
     ]
     _raypo("train", "-c", "configs/grpo_tiny.yaml", overrides=overrides)
     lines = [json.loads(x) for x in (tmp_path / "refresh" / "metrics.jsonl").read_text().splitlines()]
@@ -78,3 +79,11 @@ def test_grpo_on_the_learned_rm_refreshes_it_during_the_run_and_keeps_going(trai
     for m in refreshed:  # the model was retrained: its scores of the fixed held-out pairs moved
         assert m["rm_heldout_score_shift"] > 1e-4 and np.isfinite([m["rm_tau_heldout_after"], m["rm_tau_recent_after"]]).all(), m
     assert json.loads((tmp_path / "refresh" / "summary.json").read_text())["steps"] == 5
+    # the refreshed RM and its pending pairs are in each checkpoint; --resume takes them up and refreshes on
+    ckpt = tmp_path / "refresh" / "checkpoints" / "step_000005" / "reward"
+    assert (ckpt / "model" / "config.json").exists() and json.loads((ckpt / "refresh_state.json").read_text())["refreshes"] == 2
+    _raypo("train", "-c", "configs/grpo_tiny.yaml", "--resume", overrides=[*overrides, "training.steps=6"])
+    lines = [json.loads(x) for x in (tmp_path / "refresh" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5] and lines[5]["rm_refresh_pairs"] > 0
+    # the resumed refresh started from the saved model: its held-out tau before equals the last refresh's after
+    assert lines[5]["rm_tau_heldout_before"] == pytest.approx(lines[3]["rm_tau_heldout_after"], abs=1e-9)

@@ -181,10 +181,10 @@ class Learner:
             kl_term = masked_aggregate(kl_penalty(full_logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:
                 total = total + spec.kl_coef * kl_term
-        if spec.poisoned:
-            total = total * float("nan")
             with torch.no_grad():  # the value to watch: k3 per token (unbiased for KL(pi || pi_ref) untruncated)
                 kl = masked_aggregate(kl_penalty(full_logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
+        if spec.poisoned:
+            total = total * float("nan")
         local = {
             "loss": total.item(),
             "pg_loss": pg_loss.item(),

@@ -18,9 +18,10 @@ from pipelines.data import storage
 from pipelines.rl.roles import Roles
 
 
-def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int = 0) -> str:
+def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int = 0, protect: int | None = None) -> str:
     """Write root/step_N whole (see the module's docstring), point `latest` at it and keep the
-    newest `keep` checkpoints (0: all). Returns its location."""
+    newest `keep` checkpoints (0: all), and also the newest one of step `protect` or before (what
+    a rollback would go back to). Returns its location."""
     name = f"step_{step:06d}"
     final = storage.join(root, name)
     local = not storage.is_uri(root)
@@ -42,8 +43,11 @@ def save_checkpoint(roles: Roles, root: str, step: int, state: dict, keep: int =
         storage.replace_dir(target, final)
     storage.write_text(storage.join(root, "latest"), name)
     if keep:
-        for old in [n for n in storage.step_dirs(root) if n != name][keep - 1 :]:
-            storage.remove_dir(storage.join(root, old))
+        others = [n for n in storage.step_dirs(root) if n != name]
+        kept = next((n for n in others if storage.step_of(n) <= protect), None) if protect is not None else None
+        for old in others[keep - 1 :]:
+            if old != kept:
+                storage.remove_dir(storage.join(root, old))
     return final
 
 

@@ -43,7 +43,7 @@ class UpdateGuard:
             return  # no update was tried (a step no reward scored)
         ok = metrics["update_success"] >= 1.0
         self.succeeded.append(float(ok))
-        self.failed_in_a_row = 0 if ok else self.failed_in_a_row + 1
+        self.failed_in_a_row = 0 if ok or "rollback_to" in metrics else self.failed_in_a_row + 1
 
     def rate(self) -> float:
         return sum(self.succeeded) / len(self.succeeded) if self.succeeded else 1.0
@@ -76,16 +76,16 @@ class ActorWatch:
 
     def __init__(self, actors: dict[str, ActorHandle], max_restarts: int):
         self.actors, self.max_restarts = actors, max_restarts
-        self.pids = self._pids(list(actors))
+        self.pids = self._pids(list(actors), wait_s=None)  # the first start: as long as it takes
         self.restarts = dict.fromkeys(actors, 0)
 
-    def _pids(self, roles: list[str]) -> dict[str, int]:
+    def _pids(self, roles: list[str], wait_s: float | None = RESTART_WAIT_S) -> dict[str, int]:
         refs = {role: self.actors[role].pid.remote() for role in roles}
-        pids, deadline = {}, time.monotonic() + RESTART_WAIT_S
+        pids, deadline = {}, time.monotonic() + (wait_s or 0)
         for role, ref in refs.items():
             while role not in pids:
                 try:
-                    pids[role] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
+                    pids[role] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001) if wait_s else None)
                 except rex.ActorUnavailableError:  # restarting now: ask again once it is up
                     time.sleep(0.2)
                     ref = self.actors[role].pid.remote()

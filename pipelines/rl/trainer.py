@@ -193,7 +193,8 @@ class Trainer:
             metrics = self._one_step(step, problems)
             if guard.record(metrics):
                 metrics |= self._roll_back(step, guard, state)
-            self.roles.watch.restarted()  # logs the roles Ray restarted during the step (it re-ran their calls)
+            restart_engines(self.roles, range(len(self.roles.rollouts)))  # an engine restarted since: the current weights
+            self.roles.watch.restarted()  # logs the other roles Ray restarted during the step (it re-ran their calls)
             metrics["actor_restarts"] = self.roles.watch.total()
             if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                 metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
@@ -209,7 +210,8 @@ class Trainer:
             bar.update()
             every = cfg.training.save_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.training.steps:
-                save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints)
+                streak_from = step - guard.failed_in_a_row + 1 if guard.failed_in_a_row else None  # a rollback's target stays
+                save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints, streak_from)
                 self.upload()
         return max(cfg.training.steps, start_step)
 
@@ -376,7 +378,7 @@ def ray_session(cfg: RaypoConfig, address: str | None = None) -> Iterator[bool]:
         yield started_ray
     except (rex.RayError, rex.RayTaskError) as err:
         raise TrainingError(_describe_failure(err)) from err
-    except RecoveryError as err:
+    except (RecoveryError, LearnerLost) as err:  # past the bound, or a learner lost outside the steps (a final save)
         raise TrainingError(str(err)) from err
     finally:
         if on_main_thread:
