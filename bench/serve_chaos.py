@@ -1,0 +1,140 @@
+"""The Serve app under steady load through its operations and a fault: promote a new version,
+roll it back, kill the live replica's process; requests sent, failed and p99 for each.
+
+    .venv/bin/python bench/serve_chaos.py --checkpoint runs/grpo_tiny/final [--concurrency 4]
+
+One local Ray sized from this machine serves `--checkpoint` (the app `raypo serve` runs) on
+loopback. A steady load of short greedy completions runs throughout from `--concurrency`
+clients. Then, each after a quiet window: `promote` of a copy of the checkpoint as the next
+version (a second engine comes up, passes the health gate and takes the traffic), `rollback`
+to the first, and SIGKILL to the process of the live version's engine replica. A request
+counts against the event whose window (from the event's start to `--settle` seconds after it
+returned) it started in; failed = a non-2xx answer or a broken connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serve_load import PROMPTS, free_port, wait_ready  # noqa: E402 (the bench's own helpers, run from a checkout)
+
+
+class Load:
+    """Steady completions from `concurrency` clients in a thread of its own, every request kept."""
+
+    def __init__(self, base: str, concurrency: int):
+        self.base, self.concurrency = base, concurrency
+        self.records: list[tuple[float, float, bool]] = []  # (start, end, ok)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=self.concurrency)) as client:
+            await asyncio.gather(*(self._worker(client, i) for i in range(self.concurrency)))
+
+    async def _worker(self, client: httpx.AsyncClient, i: int) -> None:
+        n = i
+        while not self.stop.is_set():
+            body = {"model": "raypo-policy", "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": 4, "temperature": 0}
+            t0 = time.monotonic()
+            try:
+                ok = (await client.post(f"{self.base}/v1/completions", json=body)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.records.append((t0, time.monotonic(), ok))
+            n += self.concurrency
+
+    def window(self, start: float, end: float) -> dict:
+        inside = [r for r in self.records if start <= r[0] < end]
+        latencies = sorted(r[1] - r[0] for r in inside if r[2])
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000 if latencies else float("nan")
+        return {"sent": len(inside), "failed": sum(not r[2] for r in inside), "p99_ms": p99}
+
+
+def live_replica_pid(app: str) -> int:
+    """The process of the engine replica (LLMServer) of Serve application `app`."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if "ServeReplica" in line and f"{app}:" in line and "LLM" in line:
+            return proc.info["pid"]
+    raise LookupError(f"no engine replica process of application {app!r}")
+
+
+def main() -> int:
+    import logging
+
+    import ray
+    from ray import serve
+
+    from serve import ops
+    from serve.app import build_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--cpus-per-replica", type=float, default=0.5)
+    parser.add_argument("--quiet", type=float, default=15.0, help="seconds of steady load before each event")
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds after an event still counted against it")
+    args = parser.parse_args()
+    checkpoint = str(Path(args.checkpoint).resolve())
+    second = Path(tempfile.mkdtemp(prefix="raypo-serve-chaos-")) / "v2"
+    shutil.copytree(checkpoint, second)  # the "new version": the same weights under another path
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
+    rows = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # half a CPU per engine: the promoted version's engine comes up beside the live one on 2 cores
+        app_args = {"checkpoint": checkpoint, "max_model_len": 128, "cpus_per_replica": args.cpus_per_replica}
+        serve.run(build_app(app_args), name=ops.FRONT_APP, route_prefix="/")
+        asyncio.run(wait_ready(base, "raypo-policy", 300))
+        load = Load(base, args.concurrency)
+        load.thread.start()
+
+        def event(name: str, action) -> None:
+            time.sleep(args.quiet)
+            rows[f"steady (before {name})"] = load.window(time.monotonic() - args.quiet, time.monotonic())
+            started = time.monotonic()
+            detail = action()
+            time.sleep(args.settle)
+            rows[name] = load.window(started, time.monotonic()) | {"detail": detail, "event_s": None}
+
+        event("promote", lambda: ops.promote(str(second), ready_timeout_s=300, log=lambda _: None)["live"])
+        event("rollback", lambda: ops.rollback()["live"])
+        live_app = next(v["app"] for v in ops.status()["versions"] if v["state"] == "live")
+        event("replica kill", lambda: os.kill(live_replica_pid(live_app), signal.SIGKILL) or f"pid of {live_app}")
+        time.sleep(args.quiet)
+        rows["steady (after)"] = load.window(time.monotonic() - args.quiet, time.monotonic())
+        load.stop.set()
+        load.thread.join(timeout=150)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(second.parent, ignore_errors=True)
+    print(f"\nsteady load: {args.concurrency} clients, 4-token greedy completions, loopback")
+    print(f"{'window':<26}{'sent':>7}{'failed':>8}{'p99 ms':>10}  detail")
+    for name, r in rows.items():
+        print(f"{name:<26}{r['sent']:>7}{r['failed']:>8}{r['p99_ms']:>10.0f}  {r.get('detail', '')}")
+    return 0 if rows["promote"]["failed"] == 0 and rows["rollback"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
