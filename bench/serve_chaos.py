@@ -9,7 +9,10 @@ clients. Then, each after a quiet window: `promote` of a copy of the checkpoint 
 version (a second engine comes up, passes the health gate and takes the traffic), `rollback`
 to the first, and SIGKILL to the process of the live version's engine replica. A request
 counts against the event whose window (from the event's start to `--settle` seconds after it
-returned) it started in; failed = a non-2xx answer or a broken connection.
+returned) it started in or was in flight at the start of; failed = a non-2xx answer or a broken
+connection. After the kill the bench waits for the first request sent after it to succeed (Serve
+starts a replacement replica) and reports that wait as the recovery time; with
+`--min-replicas 2` the surviving replica takes the traffic meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Load:
     def __init__(self, base: str, concurrency: int):
         self.base, self.concurrency = base, concurrency
         self.records: list[tuple[float, float, bool]] = []  # (start, end, ok)
+        self.failures: list[tuple[float, str]] = []  # (start, what the client saw)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -54,17 +58,34 @@ class Load:
             body = {"model": "raypo-policy", "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": 4, "temperature": 0}
             t0 = time.monotonic()
             try:
-                ok = (await client.post(f"{self.base}/v1/completions", json=body)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
+                response = await client.post(f"{self.base}/v1/completions", json=body)
+                ok, why = response.status_code == 200, f"HTTP {response.status_code}"
+            except httpx.HTTPError as e:
+                ok, why = False, type(e).__name__
             self.records.append((t0, time.monotonic(), ok))
+            if not ok:
+                self.failures.append((t0, why))
             n += self.concurrency
 
-    def window(self, start: float, end: float) -> dict:
-        inside = [r for r in self.records if start <= r[0] < end]
+    def first_ok_after(self, start: float, deadline_s: float) -> float | None:
+        """Seconds from `start` until a request sent after it succeeded (None past the deadline)."""
+        while time.monotonic() - start < deadline_s:
+            done = [r[1] for r in list(self.records) if r[0] >= start and r[2]]
+            if done:
+                return min(done) - start
+            time.sleep(0.5)
+        return None
+
+    def window(self, start: float, end: float, event: bool) -> dict:
+        """An event's requests: sent in [start, end) or in flight at `start`; a steady window's:
+        sent and answered inside it."""
+        inside = [r for r in self.records if (start <= r[0] < end or r[0] < start < r[1]) if event or r[1] <= end]
         latencies = sorted(r[1] - r[0] for r in inside if r[2])
         p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000 if latencies else float("nan")
-        return {"sent": len(inside), "failed": sum(not r[2] for r in inside), "p99_ms": p99}
+        worst = latencies[-1] * 1000 if latencies else float("nan")
+        starts = {r[0] for r in inside}
+        failed = [why for t, why in self.failures if t in starts]
+        return {"sent": len(inside), "failed": len(failed), "p99_ms": p99, "max_ms": worst, "why": sorted(set(failed))}
 
 
 def live_replica_pid(app: str) -> int:
@@ -92,6 +113,8 @@ def main() -> int:
     parser.add_argument("--cpus-per-replica", type=float, default=0.5)
     parser.add_argument("--quiet", type=float, default=15.0, help="seconds of steady load before each event")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds after an event still counted against it")
+    parser.add_argument("--min-replicas", type=int, default=1, help="engine replicas per version")
+    parser.add_argument("--recovery-timeout", type=float, default=300.0, help="most seconds to wait for a replacement")
     args = parser.parse_args()
     checkpoint = str(Path(args.checkpoint).resolve())
     second = Path(tempfile.mkdtemp(prefix="raypo-serve-chaos-")) / "v2"
@@ -99,41 +122,61 @@ def main() -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
-    rows = {}
+    spans: dict[str, tuple[float, float, str]] = {}  # window -> (start, end, detail)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # half a CPU per engine: the promoted version's engine comes up beside the live one on 2 cores
-        app_args = {"checkpoint": checkpoint, "max_model_len": 128, "cpus_per_replica": args.cpus_per_replica}
+        app_args = {
+            "checkpoint": checkpoint, "max_model_len": 128, "cpus_per_replica": args.cpus_per_replica,
+            "min_replicas": args.min_replicas, "max_replicas": args.min_replicas,
+        }  # fmt: skip
         serve.run(build_app(app_args), name=ops.FRONT_APP, route_prefix="/")
         asyncio.run(wait_ready(base, "raypo-policy", 300))
         load = Load(base, args.concurrency)
         load.thread.start()
 
-        def event(name: str, action) -> None:
+        def event(name: str, action, recovery: bool = False) -> None:
             time.sleep(args.quiet)
-            rows[f"steady (before {name})"] = load.window(time.monotonic() - args.quiet, time.monotonic())
+            spans[f"steady (before {name})"] = (time.monotonic() - args.quiet, time.monotonic(), "")
             started = time.monotonic()
             detail = action()
+            if recovery:  # Serve replaces the dead replica; requests sent meanwhile wait for it or another one
+                waited = load.first_ok_after(started, args.recovery_timeout)
+                detail += f"; first request sent after it answered in {waited:.1f} s" if waited is not None else "; none answered"
             time.sleep(args.settle)
-            rows[name] = load.window(started, time.monotonic()) | {"detail": detail, "event_s": None}
+            spans[name] = (started, time.monotonic(), detail)
 
         event("promote", lambda: ops.promote(str(second), ready_timeout_s=300, log=lambda _: None)["live"])
         event("rollback", lambda: ops.rollback()["live"])
         live_app = next(v["app"] for v in ops.status()["versions"] if v["state"] == "live")
-        event("replica kill", lambda: os.kill(live_replica_pid(live_app), signal.SIGKILL) or f"pid of {live_app}")
+        kill = lambda: os.kill(live_replica_pid(live_app), signal.SIGKILL) or f"pid of {live_app}'s replica killed"  # noqa: E731
+        event("replica kill", kill, recovery=True)
         time.sleep(args.quiet)
-        rows["steady (after)"] = load.window(time.monotonic() - args.quiet, time.monotonic())
+        spans["steady (after)"] = (time.monotonic() - args.quiet, time.monotonic(), "")
         load.stop.set()
         load.thread.join(timeout=150)
     finally:
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(second.parent, ignore_errors=True)
-    print(f"\nsteady load: {args.concurrency} clients, 4-token greedy completions, loopback")
-    print(f"{'window':<26}{'sent':>7}{'failed':>8}{'p99 ms':>10}  detail")
+    rows = {
+        name: load.window(start, end, not name.startswith("steady")) | {"detail": detail}
+        for name, (start, end, detail) in spans.items()
+    }
+    print(f"\nsteady load: {args.concurrency} clients, 4-token greedy completions, loopback, "
+          f"{args.min_replicas} engine replica(s) of {args.cpus_per_replica:g} CPU per version")  # fmt: skip
+    print(f"{'window':<30}{'sent':>7}{'failed':>8}{'in flight at start':>20}{'p99 ms':>9}{'max ms':>9}  detail")
     for name, r in rows.items():
-        print(f"{name:<26}{r['sent']:>7}{r['failed']:>8}{r['p99_ms']:>10.0f}  {r.get('detail', '')}")
-    return 0 if rows["promote"]["failed"] == 0 and rows["rollback"]["failed"] == 0 else 1
+        start = spans[name][0]
+        in_flight = sum(rec[0] < start < rec[1] for rec in load.records)
+        detail = "; ".join(filter(None, [r["detail"], f"failed: {', '.join(r['why'])}" if r["failed"] else ""]))
+        print(f"{name:<30}{r['sent']:>7}{r['failed']:>8}{in_flight:>20}{r['p99_ms']:>9.0f}{r['max_ms']:>9.0f}  {detail}")
+    kill = rows["replica kill"]
+    only_in_flight = kill["failed"] <= sum(rec[0] < spans["replica kill"][0] < rec[1] for rec in load.records)
+    print(
+        f"\nreplica kill: {kill['failed']} failed, {'only' if only_in_flight else 'more than'} the requests in flight at the kill"
+    )
+    return 0 if rows["promote"]["failed"] == 0 and rows["rollback"]["failed"] == 0 and only_in_flight else 1
 
 
 if __name__ == "__main__":

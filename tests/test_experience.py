@@ -58,6 +58,7 @@ def test_prepare_experience_gives_group_advantages_and_step_stats():
             "advantage_std": np.std([a, a, -a, 0, 0, 0], ddof=1),
             "response_length": 1.5,
             "response_tokens": 6,
+            "prompt_tokens": 4,  # one token per prompt
             "truncated_fraction": 0.25,
             "reward_all_zero": False,
             "reward_unscored": 0,

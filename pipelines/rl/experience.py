@@ -47,6 +47,7 @@ def prepare_experience(
         "advantage_std": float(valid.std()) if valid.numel() > 1 else 0.0,
         "response_length": float(lengths.mean()),
         "response_tokens": int(lengths.sum()),
+        "prompt_tokens": int(batch["prompt_mask"].sum()),
         "truncated_fraction": float(1.0 - batch["finished"].mean()),
         "reward_all_zero": bool(rewards.size and np.all(rewards <= reward_floor + 1e-6)),
     }
