@@ -117,13 +117,16 @@ class Learner:
         logp, _, _ = self._policy(inputs)
         return (logp * inputs["response_mask"]).numpy().astype(np.float32)
 
-    def _policy(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _policy(
+        self, inputs: dict[str, torch.Tensor], entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[n, T]` each: the log-prob of each response token under the distribution the rollout
         samples from, under the full softmax (for the KL to the untruncated reference), and the
-        sampling distribution's entropy at each position (pipelines/algos/sampling.py)."""
+        sampling distribution's entropy at each position (pipelines/algos/sampling.py), with a
+        graph only when `entropy_grad` (a loss term)."""
         sampling = self.spec.sampling
         logits = response_logits(self.engine, inputs, sampling.temperature)  # [n, T, V]
-        return token_logprobs_and_entropy(logits, inputs["response_ids"], sampling)
+        return token_logprobs_and_entropy(logits, inputs["response_ids"], sampling, entropy_grad)
 
     def train_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], loss: LossSpec) -> dict[str, float]:
         """Policy update on a step's experience, one optimizer step per minibatch (every rank gets
@@ -157,7 +160,7 @@ class Learner:
         mine = self._my_rows(np.arange(len(batch["response_ids"])))
         inputs = sequence_tensors(batch, mine)
         mask = whole_mask[mine]
-        logp, full_logp, entropy_per_token = self._policy(inputs)  # [n, T] each
+        logp, full_logp, entropy_per_token = self._policy(inputs, entropy_grad=spec.entropy_coef != 0)  # [n, T] each
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
         pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
@@ -170,9 +173,8 @@ class Learner:
             aggregate=spec.aggregate,
             normalizer=normalizer,
         )
-        total = pg_loss
         entropy = masked_aggregate(entropy_per_token, mask, spec.aggregate, normalizer)
-        total = total - spec.entropy_coef * entropy
+        total = pg_loss - spec.entropy_coef * entropy if spec.entropy_coef else pg_loss
         kl_term, kl = torch.zeros(()), torch.zeros(())
         if "reference_logprobs" in batch:
             # Both sides full softmax at the sampling temperature (the reference is never truncated),
@@ -201,8 +203,10 @@ class Learner:
         rank's metrics, each world_size x its share of the minibatch's value (so their mean over
         ranks is it)."""
         skipped = dict.fromkeys([*local, "grad_norm", "lr"], float("nan")) | {"update_success": 0.0}
-        if self._sum_over_ranks({"bad": float(not torch.isfinite(total))})["bad"] > 0:
-            # A non-finite loss would poison the weights: skip this update, report it.
+        # One small all-reduce per minibatch (beside the gradients'): the metrics, and whether any
+        # rank's loss is non-finite, which would poison the weights: then every rank skips the update.
+        summed = self._sum_over_ranks(local | {"non_finite_loss": float(not torch.isfinite(total))})
+        if summed.pop("non_finite_loss") > 0:
             self.engine.zero_grad()
             return skipped
         lr = self._set_lr()
@@ -223,7 +227,7 @@ class Learner:
             grad_norm = self.engine.get_global_grad_norm()
         # Losses: each rank holds world_size * (its token sum) / (batch tokens), so the mean over
         # ranks is the whole batch's loss. Ratios (clip fraction, approx KL): the mean of the ranks'.
-        out = {k: v / self.world_size for k, v in self._sum_over_ranks(local).items()}
+        out = {k: v / self.world_size for k, v in summed.items()}
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["lr"] = lr
         out["update_success"] = 1.0
@@ -326,10 +330,17 @@ class Learner:
         with gather, torch.no_grad():
             yield self.model.state_dict()
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Full weights as numpy, Hugging Face names."""
+    def state_dict(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """Full weights as numpy, Hugging Face names, on rank 0; {} on the other ranks, which
+        only take part (a ZeRO-3 gather needs every rank). `copy=False` returns views of float32
+        weights for a caller that serializes them before the next update (a Ray call's return
+        value is copied into the object store as the call returns); under ZeRO-3 the gathered
+        weights are released when the gather ends, so they are always copied."""
         with self._full_weights() as state:
-            return {k: v.detach().float().numpy().copy() for k, v in state.items()}
+            if self.rank != 0:
+                return {}
+            copy = copy or self.spec.zero_stage == 3
+            return {k: v.detach().float().numpy().copy() if copy else v.detach().float().numpy() for k, v in state.items()}
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         """Rank 0 hosts the weight-sync group (see actors/core/weight_sync.py); returns its layout."""
@@ -365,7 +376,7 @@ class Learner:
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Hugging Face format (safetensors + tokenizer), written by rank 0."""
-        state = self.state_dict()
+        state = self.state_dict(copy=False)  # written out before the weights move again
         if self.rank != 0:
             return
         out_dir = Path(out_dir)

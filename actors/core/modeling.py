@@ -6,6 +6,8 @@ through a causal LM the same way; this module is that one way, so none depends o
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 
 import numpy as np
@@ -51,12 +53,33 @@ def loss_mask(batch: Mapping[str, np.ndarray]) -> torch.Tensor:
 
 
 def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """Logits that predict each response token: `[n, P + T, V]` -> `[n, T, V]`, divided by the
-    sampling temperature so log-probs match the behaviour policy's."""
-    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    """Logits that predict each response token, `[n, T, V]`, divided by the sampling temperature
+    so log-probs match the behaviour policy's.
+
+    Only those T positions go through the LM head (`logits_to_keep`, which Hugging Face causal LMs
+    take): the head over the prompt positions would be `[n, P, V]` of work and memory nobody reads
+    (SmolLM2's vocabulary is 49,152). A model without `logits_to_keep` computes all and is sliced.
+    """
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
-    return out.logits[:, P - 1 : P - 1 + T].float() / temperature  # position P-1 predicts response token 0
+    predicting = torch.arange(P - 1, P - 1 + T)  # position P-1 predicts response token 0
+    kwargs = {"logits_to_keep": predicting} if takes_logits_to_keep(model) else {}
+    out = model(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], **kwargs
+    )
+    logits = out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]  # [n, T, V]
+    logits = logits.float()  # a no-op for float32 weights; bf16 logits are upcast once, here
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether `model` (or the module a DeepSpeed engine wraps) computes logits for chosen positions only."""
+    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 COMPLETIONS = ("chosen", "rejected")  # the two sides of a preference pair

@@ -100,11 +100,15 @@ def sampled_log_softmax(logits: Tensor, spec: SamplingSpec, token_ids: Tensor | 
     return torch.log_softmax(logits, dim=-1), removed
 
 
-def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: SamplingSpec) -> tuple[Tensor, Tensor, Tensor]:
+def token_logprobs_and_entropy(
+    logits: Tensor, token_ids: Tensor, spec: SamplingSpec, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """For `logits` `[B, T, V]` (temperature applied) and the sampled `token_ids` `[B, T]`, each
     `[B, T]`: the sampled token's log-prob under the sampling distribution (truncated as `spec`
     says: the policy's ratio), its log-prob under the full softmax (what a reference model, which
     is not truncated, is compared with in a KL term), and the sampling distribution's entropy.
+    With `entropy_grad=False` the entropy is only a metric: computed without a graph, so its
+    `[B, T, V]` intermediates are freed at once instead of kept for a backward that adds 0.
 
     >>> logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
     >>> logp, full, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]), SamplingSpec(top_p=0.75))
@@ -114,7 +118,9 @@ def token_logprobs_and_entropy(logits: Tensor, token_ids: Tensor, spec: Sampling
     logp, removed = sampled_log_softmax(logits, spec, token_ids)  # [B, T, V]
     token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
     full_logp = token_logp if removed is None else logprobs_from_logits(logits, token_ids)  # [B, T]
-    return token_logp, full_logp, entropy_from_logprobs(logp)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logprobs(logp if entropy_grad else logp.detach())
+    return token_logp, full_logp, entropy
 
 
 ROLLOUT, EVALUATION = 0, 1  # the two uses of sampling seeds, each its own family of streams

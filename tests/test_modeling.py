@@ -1,0 +1,79 @@
+"""The policy's response logits: only the positions that predict a response token go through the
+LM head, and what comes out equals the full forward pass sliced by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.core.modeling import response_logits, sequence_tensors, takes_logits_to_keep
+from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(0)
+    batch = {  # left-padded prompts of 2-4 tokens, right-padded responses of 1-3
+        "prompt_ids": rng.integers(1, 50, (3, 4)),
+        "prompt_mask": np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]]),
+        "response_ids": rng.integers(1, 50, (3, 3)),
+        "response_mask": np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0]]),
+    }
+    return sequence_tensors(batch, np.arange(3))
+
+
+class NoLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward has no `logits_to_keep` (older or custom models)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_logits_equal_the_full_forward_sliced_by_hand(model, inputs, temperature):
+    with torch.no_grad():
+        full = model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
+        ).logits  # [3, 7, 50]
+        expected = full[:, 3:6] / temperature  # prompt width 4: positions 3, 4, 5 predict response tokens 0, 1, 2
+        assert takes_logits_to_keep(model) and not takes_logits_to_keep(NoLogitsToKeep(model))
+        kept = response_logits(model, inputs, temperature)
+        sliced = response_logits(NoLogitsToKeep(model), inputs, temperature)
+    assert kept.shape == (3, 3, 50)
+    torch.testing.assert_close(kept, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sliced, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(), SamplingSpec(top_p=0.8), SamplingSpec(top_k=5, temperature=0.9)])
+def test_an_entropy_without_a_graph_has_the_same_value_and_leaves_the_gradients_alone(model, inputs, spec):
+    logits = response_logits(model, inputs, spec.temperature)
+    ids = inputs["response_ids"]
+    logp, full, entropy = token_logprobs_and_entropy(logits, ids, spec, entropy_grad=True)
+    logp0, full0, entropy0 = token_logprobs_and_entropy(logits, ids, spec, entropy_grad=False)
+    assert entropy.requires_grad and not entropy0.requires_grad
+    torch.testing.assert_close(entropy0, entropy.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(logp0, logp, rtol=0, atol=0)
+    # the policy-gradient term's gradient is the same whether or not an entropy graph was built
+    (grad_with,) = torch.autograd.grad(logp.sum() + 0.0 * entropy.sum(), logits, retain_graph=True)
+    (grad_without,) = torch.autograd.grad(logp0.sum(), logits)
+    torch.testing.assert_close(grad_without, grad_with, rtol=0, atol=0)
