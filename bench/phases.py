@@ -1,23 +1,35 @@
-"""Per-phase time per step and tokens/s of the tiny GRPO and PPO configs, side by side.
+"""Per-phase time per step and tokens/s of the tiny GRPO and PPO configs, side by side, and how
+close the learner comes to this machine's matmul speed.
 
-    .venv/bin/python bench/phases.py [--steps 8]
+    .venv/bin/python bench/phases.py [--steps 8] [--config examples/smollm2/grpo.yaml]
 
 Runs both configs on one local Ray (real vLLM rollouts, DeepSpeed learner), and GRPO once
 more with the weights broadcast from learner rank 0 (gloo here, NCCL on GPUs) instead of
-passed through the object store; skips the first step (engine warm-up), and prints a table of
-the mean seconds per step of each phase, its share of the step, and the generation
-throughput. Compare ratios, not absolute times: the machine is shared and noisy.
+passed through the object store (`--config` adds a run of that file); skips the first step
+(engine warm-up), and prints a table of the mean seconds per step of each phase, its share of
+the step, and the generation throughput. Compare ratios, not absolute times: the machine is
+shared and noisy.
+
+Then, per run, the learner's achieved FLOP/s: the FLOPs the policy loss needs (forward and
+backward, 6 x the decoder's parameters x the real prompt + response tokens, 6 x hidden x vocab
+for the LM head at response positions only, and causal attention 6 x layers x hidden x length^2
+per sequence; padding and logits nobody reads do not count) over the learn phase's seconds,
+beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape with the
+learner's threads, measured in the same run. Their ratio is how close the learner is to the
+machine's limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 PHASES = ("generate", "reward", "reference", "value", "learn", "sync")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's packages, also in the Ray workers (they take the driver's path)
 
 
 RUNS = {  # column -> (preset, extra overrides)
@@ -27,8 +39,8 @@ RUNS = {  # column -> (preset, extra overrides)
 }
 
 
-def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> list[dict]:
-    """Steps 1.. of a `preset` run (a file name in configs/, or a path)."""
+def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> tuple[list[dict], object]:
+    """Steps 1.. of a `preset` run (a file name in configs/, or a path), and its config."""
     from pipelines.config import load_config
     from pipelines.rl.trainer import train
 
@@ -38,11 +50,72 @@ def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> l
     )
     train(cfg)
     lines = (Path(out_dir) / cfg.name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines][1:]  # step 0 includes engine warm-up
+    return [json.loads(x) for x in lines][1:], cfg  # step 0 includes engine warm-up
+
+
+def needed_flops(model_dir: Path, row: dict, epochs: int) -> float:
+    """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):  # shapes only, no weights
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    body -= 0 if config.tie_word_embeddings else head.numel()
+    tokens = row["prompt_tokens"] + row["response_tokens"]
+    length = tokens / row["samples"]  # mean sequence length (attention is counted at it)
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    flops = 6 * body * tokens + 6 * head.numel() * row["response_tokens"] + 6 * layers * hidden * length**2 * row["samples"]
+    return epochs * flops
+
+
+def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> float:
+    """float32 FLOP/s of `[rows, hidden] x [hidden, inner]` matmuls, the best of repeated timings."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, inner)
+    best, started = float("inf"), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * hidden * inner / best
+
+
+def machine_gemm_flops(model_dir: Path, rows: int, cpus: float) -> float:
+    """`gemm_flops` of the model's MLP shape in a Ray task with the learner's CPUs and threads."""
+    import ray
+    from transformers import AutoConfig
+
+    from actors.common import limit_threads
+
+    config = AutoConfig.from_pretrained(model_dir)
+    inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
+
+    @ray.remote(num_cpus=cpus)
+    def measure() -> float:
+        limit_threads(cpus)
+        return gemm_flops(config.hidden_size, inner, rows)
+
+    return ray.get(measure.remote())
 
 
 def mean(rows: list[dict], key: str) -> float:
     return sum(r.get(key, 0.0) for r in rows) / max(1, len(rows))
+
+
+def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
+    """The learner's achieved FLOP/s (what the loss needs over the learn phase's seconds) and this
+    machine's GEMM FLOP/s at the model's MLP shape, with the learner's CPUs (Ray must be up)."""
+    model_dir = Path(out_dir) / cfg.name / "final"  # the trained policy: the model's config and shapes
+    achieved = sum(needed_flops(model_dir, r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
+    tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
+    gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
+    return {"achieved": achieved, "gemm": machine_gemm_flops(model_dir, gemm_rows, cfg.resource.cpus_per_learner)}
 
 
 def main() -> None:
@@ -50,12 +123,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--config", help="also run this config file (e.g. examples/smollm2/grpo.yaml)")
+    parser.add_argument("--runs", nargs="*", choices=sorted(RUNS), default=list(RUNS), help="which built-in runs")
     args = parser.parse_args()
+    runs = {name: RUNS[name] for name in args.runs}
+    if args.config:
+        runs[Path(args.config).parent.name + "/" + Path(args.config).stem] = (Path(args.config), [])
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
-    results = {}
+    results, speed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for column, (preset, overrides) in RUNS.items():
-            results[column] = run(preset, args.steps, tmp, overrides)
+        for column, (preset, overrides) in runs.items():
+            results[column], cfg = run(preset, args.steps, tmp, overrides)
+            speed[column] = learner_speed(results[column], cfg, tmp)
     ray.shutdown()
 
     print(f"\nper-phase seconds per step (mean of steps 1..{args.steps - 1}), share of the step in brackets")
@@ -69,10 +148,15 @@ def main() -> None:
         print(f"{phase:<12}" + "".join(f"{c:>22}" for c in cells))
     print(f"{'step':<12}" + "".join(f"{mean(r, 'step_time'):>20.3f} s" for r in results.values()))
     print(f"{'tokens/s':<12}" + "".join(f"{mean(r, 'tokens_per_s'):>22.0f}" for r in results.values()))
-    g, p = mean(results["grpo"], "step_time"), mean(results["ppo"], "step_time")
-    print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")
-    store, cast = mean(results["grpo"], "time_sync"), mean(results["grpo/broadcast"], "time_sync")
-    print(f"weight sync, broadcast / object store = {cast / store:.2f}x")
+    print(f"{'learn GFLOP/s':<12}" + "".join(f"{s['achieved'] / 1e9:>22.2f}" for s in speed.values()))
+    print(f"{'GEMM GFLOP/s':<12}" + "".join(f"{s['gemm'] / 1e9:>22.2f}" for s in speed.values()))
+    print(f"{'learn / GEMM':<12}" + "".join(f"{s['achieved'] / s['gemm']:>22.1%}" for s in speed.values()))
+    if {"grpo", "ppo"} <= set(results):
+        g, p = mean(results["grpo"], "step_time"), mean(results["ppo"], "step_time")
+        print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")
+    if {"grpo", "grpo/broadcast"} <= set(results):
+        store, cast = mean(results["grpo"], "time_sync"), mean(results["grpo/broadcast"], "time_sync")
+        print(f"weight sync, broadcast / object store = {cast / store:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,269 @@
+"""raypo and TRL's GRPOTrainer on the same work, one after the other, side by side.
+
+    .venv/bin/pip install -e '.[bench]'     # TRL, pinned
+    .venv/bin/python bench/compare_trl.py [--steps 1000 --eval-every 100] [--model smollm2]
+
+Both start from the same warm start (the embedded tiny model, or `--model smollm2`: SmolLM2-135M
+imported as examples/smollm2 says), draw the same task's training prompts, sample `--prompts` x
+`--group` completions per step (at most `--max-tokens` new tokens, temperature 1), score them
+with the same reward (raypo's scorer for the task) and take one optimizer step per batch (AdamW,
+lr `--lr` constant, no KL term (beta 0), no entropy bonus, clip 0.2, token-mean loss, grad norm
+clipped at 1). raypo runs `train()` on a local Ray sized from this machine (rollout and learner
+actors); TRL runs in this process after Ray is shut down, generating with transformers.
+
+Every `--eval-every` steps each framework's policy is kept (raypo: its checkpoint; TRL: a copy
+of the weights) and afterwards scored by one evaluation code, greedy decoding with transformers
+on the held-out problems. Wall clock is the sum of step times (start-up, snapshots and
+evaluation left out for both). Prints per framework: median and p90 step seconds,
+completions/s, per-phase seconds, held-out accuracy against steps and against wall clock, and
+the ratios raypo / TRL. Compare ratios from one run: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipelines.config import load_config  # noqa: E402 (the repository's packages, run from a checkout)
+from pipelines.data.dataset import load_task  # noqa: E402
+from pipelines.data.evaluate import evaluate_problems  # noqa: E402
+from pipelines.data.tasks import reward_fields  # noqa: E402
+from pipelines.models.resolve import resolve_model_path  # noqa: E402
+
+MODELS = {  # --model -> (preset, its defaults for the shared settings)
+    "tiny": (ROOT / "configs" / "grpo_tiny.yaml", {"prompts": 16, "group": 8, "max_tokens": 5, "lr": 5e-5}),
+    "smollm2": (ROOT / "examples" / "smollm2" / "grpo.yaml", {"prompts": 4, "group": 8, "max_tokens": 24, "lr": 1e-5}),
+}
+
+
+def raypo_config(args, out_dir: str):
+    preset, _ = MODELS[args.model]
+    return load_config(
+        preset,
+        [
+            f"name=compare_{args.model}", f"seed={args.seed}", f"output_dir={out_dir}", f"training.steps={args.steps}",
+            f"training.batch_size={args.prompts * args.group}", f"training.minibatch_size={args.prompts * args.group}",
+            "training.epochs=1", f"training.lr={args.lr}", "training.warmup_steps=0", f"training.save_every={args.eval_every}",
+            "training.keep_checkpoints=100000", f"algo.group_size={args.group}", "algo.kl_coef=0", "algo.entropy_coef=0",
+            "algo.clip_eps=0.2", "algo.aggregate=token-mean", f"inference.max_tokens={args.max_tokens}",
+            "inference.temperature=1.0", "inference.top_p=1.0", "eval.every=0", "eval.samples=0",
+        ],
+    )  # fmt: skip
+
+
+def hf_greedy(model, tokenizer, max_tokens: int, batch: int = 64):
+    """Greedy completions with transformers (left-padded batches): the one evaluation for both."""
+
+    def greedy(prompts: list[str]) -> list[str]:
+        tokenizer.padding_side = "left"
+        out = []
+        for i in range(0, len(prompts), batch):
+            enc = tokenizer(prompts[i : i + batch], return_tensors="pt", padding=True)
+            with torch.no_grad():
+                ids = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        return out
+
+    return greedy
+
+
+class Evaluator:
+    """Held-out accuracy of a policy's weights (a model directory or a state dict)."""
+
+    def __init__(self, cfg, model_dir: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from actors.core.reward import RewardScorer
+
+        self.cfg, self.model_dir = cfg, model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.problems = load_task(cfg, model_dir).sample(cfg.task.eval_problems, "heldout", cfg.seed)
+        self.scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+
+    def accuracy(self, weights: Path | dict) -> float:
+        from safetensors.torch import load_file
+
+        state = weights if isinstance(weights, dict) else load_file(str(next(Path(weights).glob("*.safetensors"))))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)  # a tied head is saved once
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        greedy = hf_greedy(self.model, self.tokenizer, self.cfg.inference.max_tokens)
+        summary, _ = evaluate_problems(
+            self.problems,
+            greedy,
+            lambda prompts, texts, fields: self.scorer.scores_by_term(prompts, texts, **fields),
+            self.cfg.pass_threshold,
+        )
+        return summary.get("accuracy", summary["pass_rate"])
+
+
+def run_raypo(cfg) -> dict:
+    """raypo's run: per-step metrics and the checkpoints' policies by step."""
+    import ray
+
+    from pipelines.rl.trainer import train
+
+    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
+    try:
+        train(cfg)
+    finally:
+        ray.shutdown()
+    run_dir = Path(cfg.output_dir) / cfg.name
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    snapshots = {int(p.name.split("_")[1]): p / "policy" for p in sorted((run_dir / "checkpoints").glob("step_*"))}
+    snapshots[cfg.training.steps] = run_dir / "final"
+    return {
+        "step_s": [m["step_time"] for m in metrics],
+        "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
+        "snapshots": snapshots,
+    }
+
+
+def run_trl(cfg, args, model_dir: Path, out_dir: str) -> dict:
+    """TRL's GRPOTrainer on the same prompts, reward and settings; weights copied every eval step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from actors.core.reward import RewardScorer
+
+    task = load_task(cfg, model_dir)
+    stream = task.stream("train", cfg.seed)
+    rows = [next(stream) for _ in range(args.steps * args.prompts)]
+    fields = reward_fields(rows)  # the reward's columns, as raypo hands them to the same scorer
+    dataset = Dataset.from_dict({"prompt": [p.prompt for p in rows]} | fields)
+    scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+
+    def reward(prompts, completions, **columns):
+        return scorer.scores_by_term(prompts, completions, **{k: columns[k] for k in fields})["combined"]
+
+    timing = {"step_s": [], "generate": [], "snapshots": {}}
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, *a, **kw):
+            started = time.perf_counter()
+            out = super()._generate_and_score_completions(*a, **kw)
+            timing["generate"].append(time.perf_counter() - started)
+            return out
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kw):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, model=None, **kw):
+            timing["step_s"].append(time.perf_counter() - self.started)
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                timing["snapshots"][state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = GRPOConfig(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group, gradient_accumulation_steps=1, num_iterations=1, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
+        use_vllm=False, use_cpu=True, bf16=False, seed=args.seed, save_strategy="no", report_to=[], logging_steps=10**9,
+        disable_tqdm=True, shuffle_dataset=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = Timed(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()]
+    )
+    trainer.train()
+    timing["phases"] = {"generate": timing.pop("generate"), "learn": []}
+    timing["phases"]["learn"] = [s - g for s, g in zip(timing["step_s"], timing["phases"]["generate"], strict=False)]
+    return timing
+
+
+def summarize(name: str, run: dict, evaluator: Evaluator, completions: int) -> dict:
+    steps = run["step_s"][1:]  # step 0 includes warm-up
+    clock = [0.0]
+    for s in run["step_s"]:
+        clock.append(clock[-1] + s)
+    curve = {0: evaluator.accuracy(evaluator.model_dir)} if name == "raypo" else {}
+    curve |= {step: evaluator.accuracy(w) for step, w in sorted(run["snapshots"].items())}
+    return {
+        "name": name,
+        "first_s": run["step_s"][0],
+        "median_s": statistics.median(steps),
+        "p90_s": statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0],
+        "completions_per_s": completions / statistics.median(steps),
+        "phases": {p: statistics.median(v[1:]) for p, v in run["phases"].items() if len(v) > 1},
+        "curve": {step: (acc, clock[min(step, len(clock) - 1)]) for step, acc in curve.items()},
+    }
+
+
+def wall_to(curve: dict, target: float) -> float | None:
+    return next((wall for _, (acc, wall) in sorted(curve.items()) if acc >= target - 1e-9), None)
+
+
+def report(results: list[dict], args) -> None:
+    ours, theirs = results
+    print(
+        f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
+    )
+    print(f"{'':<28}{'raypo':>12}{'TRL':>12}{'raypo / TRL':>14}")
+    rows = [("first_s", "step 0 s (warm-up)"), ("median_s", "median step s"), ("p90_s", "p90 step s")]
+    for key, label in [*rows, ("completions_per_s", "completions/s")]:
+        print(f"{label:<28}{ours[key]:>12.3f}{theirs[key]:>12.3f}{ours[key] / theirs[key]:>14.2f}")
+    for r in results:
+        print(f"{r['name']} phases (median s): " + ", ".join(f"{p} {t:.3f}" for p, t in r["phases"].items()))
+    print(f"\n{'step':>6}{'raypo acc':>11}{'raypo wall s':>14}{'TRL acc':>10}{'TRL wall s':>12}")
+    for step in sorted(set(ours["curve"]) | set(theirs["curve"])):
+        a, b = ours["curve"].get(step, (float("nan"),) * 2), theirs["curve"].get(step, (float("nan"),) * 2)
+        print(f"{step:>6}{a[0]:>11.3f}{a[1]:>14.1f}{b[0]:>10.3f}{b[1]:>12.1f}")
+    target = theirs["curve"][max(theirs["curve"])][0]
+    ours_wall, theirs_wall = wall_to(ours["curve"], target), wall_to(theirs["curve"], target)
+    if ours_wall is None:
+        print(f"\nraypo did not reach TRL's final accuracy {target:.3f} within {args.steps} steps")
+    else:
+        print(f"\nwall time to TRL's final accuracy {target:.3f}: raypo {ours_wall:.1f} s, TRL {theirs_wall:.1f} s, "
+              f"ratio {ours_wall / theirs_wall:.2f}")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--prompts", type=int, help="prompts per step (tiny 16, smollm2 4)")
+    parser.add_argument("--group", type=int, help="samples per prompt (8)")
+    parser.add_argument("--max-tokens", type=int, help="most new tokens (tiny 5, smollm2 24)")
+    parser.add_argument("--lr", type=float, help="learning rate (tiny 5e-5, smollm2 1e-5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    for key, value in MODELS[args.model][1].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    with tempfile.TemporaryDirectory(prefix="raypo-compare-") as tmp:
+        cfg = raypo_config(args, tmp)
+        model_dir = resolve_model_path(cfg)
+        raypo_run = run_raypo(cfg)
+        trl_run = run_trl(cfg, args, model_dir, str(Path(tmp) / "trl"))
+        evaluator = Evaluator(cfg, model_dir)
+        completions = args.prompts * args.group
+        results = [summarize("raypo", raypo_run, evaluator, completions), summarize("TRL", trl_run, evaluator, completions)]
+    results[1]["curve"][0] = results[0]["curve"][0]  # the same warm start
+    report(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
