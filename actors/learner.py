@@ -58,7 +58,9 @@ class LearnerActor(Restartable):
         self.learner.set_lr_scale(scale)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return self.learner.state_dict(copy=False)  # Ray copies the return value into the object store
+        # Views, not copies: Ray copies the return value into the object store before this actor
+        # runs its next call (it runs one at a time; with max_concurrency > 1 this would race an update).
+        return self.learner.state_dict(copy=False)
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         return self.learner.open_weight_sync(host, port, world_size, backend)

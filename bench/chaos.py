@@ -157,7 +157,7 @@ def main() -> int:
     if args.json:
         runs = [{k: v for k, v in r.items() if k != "metrics"} for r in [*calm.values(), *disturbed]]
         Path(args.json).write_text(json.dumps({"faults": rows, "runs": runs}, indent=2))
-    return 0 if all(r["survived"] for r in rows) else 1
+    return 0 if rows and all(r["survived"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ on the held-out problems. Wall clock is the sum of step times (start-up, snapsho
 evaluation left out for both). Prints per framework: median and p90 step seconds,
 completions/s, per-phase seconds, held-out accuracy against steps and against wall clock, and
 the ratios raypo / TRL. Compare ratios from one run: the machine is shared and noisy.
+
+What still differs, by design of each: raypo's learner has `resource.cpus_per_learner` threads
+(1 by default) and its rollout engine its own, while TRL's one process uses torch's default
+(every core) for generation and learning in turn (both counts are printed); TRL's ratio is 1 by
+construction (one update per generation, no old log-probs), raypo's is taken against the log-probs
+vLLM sampled with; the group std is offset by 1e-6 in raypo, 1e-4 in TRL; TRL's "generate" phase
+includes scoring, raypo reports reward apart. Gradient checkpointing is off in both (TRL's
+default is on).
 """
 
 from __future__ import annotations
@@ -30,15 +38,20 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipelines.config import load_config  # noqa: E402 (the repository's packages, run from a checkout)
+from actors.core.reward import RewardScorer  # noqa: E402 (the repository's packages, run from a checkout)
+from pipelines.config import load_config  # noqa: E402
 from pipelines.data.dataset import load_task  # noqa: E402
 from pipelines.data.evaluate import evaluate_problems  # noqa: E402
 from pipelines.data.tasks import reward_fields  # noqa: E402
 from pipelines.models.resolve import resolve_model_path  # noqa: E402
+from pipelines.rl.trainer import train  # noqa: E402
 
 MODELS = {  # --model -> (preset, its defaults for the shared settings)
     "tiny": (ROOT / "configs" / "grpo_tiny.yaml", {"prompts": 16, "group": 8, "max_tokens": 5, "lr": 5e-5}),
@@ -61,6 +74,11 @@ def raypo_config(args, out_dir: str):
     )  # fmt: skip
 
 
+def scorer_of(cfg) -> RewardScorer:
+    """The run's reward, as raypo's reward actor computes it."""
+    return RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+
+
 def hf_greedy(model, tokenizer, max_tokens: int, batch: int = 64):
     """Greedy completions with transformers (left-padded batches): the one evaluation for both."""
 
@@ -81,21 +99,15 @@ class Evaluator:
     """Held-out accuracy of a policy's weights (a model directory or a state dict)."""
 
     def __init__(self, cfg, model_dir: Path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from actors.core.reward import RewardScorer
-
         self.cfg, self.model_dir = cfg, model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.problems = load_task(cfg, model_dir).sample(cfg.task.eval_problems, "heldout", cfg.seed)
-        self.scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+        self.scorer = scorer_of(cfg)
 
     def accuracy(self, weights: Path | dict) -> float:
-        from safetensors.torch import load_file
-
         state = weights if isinstance(weights, dict) else load_file(str(next(Path(weights).glob("*.safetensors"))))
         missing, unexpected = self.model.load_state_dict(state, strict=False)  # a tied head is saved once
         if unexpected or set(missing) - {"lm_head.weight"}:
@@ -112,9 +124,7 @@ class Evaluator:
 
 def run_raypo(cfg) -> dict:
     """raypo's run: per-step metrics and the checkpoints' policies by step."""
-    import ray
-
-    from pipelines.rl.trainer import train
+    import ray  # the driver's Ray session is raypo's alone: TRL runs after it is shut down
 
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     try:
@@ -126,6 +136,7 @@ def run_raypo(cfg) -> dict:
     snapshots = {int(p.name.split("_")[1]): p / "policy" for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     snapshots[cfg.training.steps] = run_dir / "final"
     return {
+        "threads": max(1, round(cfg.resource.cpus_per_learner)),  # actors.common.limit_threads
         "step_s": [m["step_time"] for m in metrics],
         "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
         "snapshots": snapshots,
@@ -134,23 +145,19 @@ def run_raypo(cfg) -> dict:
 
 def run_trl(cfg, args, model_dir: Path, out_dir: str) -> dict:
     """TRL's GRPOTrainer on the same prompts, reward and settings; weights copied every eval step."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from actors.core.reward import RewardScorer
+    from trl import GRPOConfig, GRPOTrainer  # the optional `bench` extra
 
     task = load_task(cfg, model_dir)
     stream = task.stream("train", cfg.seed)
     rows = [next(stream) for _ in range(args.steps * args.prompts)]
     fields = reward_fields(rows)  # the reward's columns, as raypo hands them to the same scorer
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in rows]} | fields)
-    scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+    scorer = scorer_of(cfg)
 
     def reward(prompts, completions, **columns):
         return scorer.scores_by_term(prompts, completions, **{k: columns[k] for k in fields})["combined"]
 
-    timing = {"step_s": [], "generate": [], "snapshots": {}}
+    timing = {"threads": torch.get_num_threads(), "step_s": [], "generate": [], "snapshots": {}}
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, *a, **kw):
@@ -176,8 +183,8 @@ def run_trl(cfg, args, model_dir: Path, out_dir: str) -> dict:
         num_generations=args.group, gradient_accumulation_steps=1, num_iterations=1, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
-        use_vllm=False, use_cpu=True, bf16=False, seed=args.seed, save_strategy="no", report_to=[], logging_steps=10**9,
-        disable_tqdm=True, shuffle_dataset=False,
+        gradient_checkpointing=False, use_vllm=False, use_cpu=True, bf16=False, seed=args.seed, save_strategy="no",
+        report_to=[], logging_steps=10**9, disable_tqdm=True, shuffle_dataset=False,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = Timed(
@@ -185,7 +192,7 @@ def run_trl(cfg, args, model_dir: Path, out_dir: str) -> dict:
     )
     trainer.train()
     timing["phases"] = {"generate": timing.pop("generate"), "learn": []}
-    timing["phases"]["learn"] = [s - g for s, g in zip(timing["step_s"], timing["phases"]["generate"], strict=False)]
+    timing["phases"]["learn"] = [s - g for s, g in zip(timing["step_s"], timing["phases"]["generate"], strict=True)]
     return timing
 
 
@@ -198,6 +205,7 @@ def summarize(name: str, run: dict, evaluator: Evaluator, completions: int) -> d
     curve |= {step: evaluator.accuracy(w) for step, w in sorted(run["snapshots"].items())}
     return {
         "name": name,
+        "threads": run["threads"],
         "first_s": run["step_s"][0],
         "median_s": statistics.median(steps),
         "p90_s": statistics.quantiles(steps, n=10)[-1] if len(steps) > 1 else steps[0],
@@ -217,6 +225,8 @@ def report(results: list[dict], args) -> None:
         f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
     )
     print(f"{'':<28}{'raypo':>12}{'TRL':>12}{'raypo / TRL':>14}")
+    print(f"threads: raypo's learner {ours['threads']} (resource.cpus_per_learner; its rollout engine has its own), "
+          f"TRL {theirs['threads']} (torch's default, generation and learning in turn)")  # fmt: skip
     rows = [("first_s", "step 0 s (warm-up)"), ("median_s", "median step s"), ("p90_s", "p90 step s")]
     for key, label in [*rows, ("completions_per_s", "completions/s")]:
         print(f"{label:<28}{ours[key]:>12.3f}{theirs[key]:>12.3f}{ours[key] / theirs[key]:>14.2f}")

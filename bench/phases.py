@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PHASES = ("generate", "reward", "reference", "value", "learn", "sync")
@@ -55,7 +56,7 @@ def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> t
 
 def needed_flops(model_dir: Path, row: dict, epochs: int) -> float:
     """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
-    import torch
+    import torch  # heavy imports inside functions: `--help` stays quick
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -73,9 +74,7 @@ def needed_flops(model_dir: Path, row: dict, epochs: int) -> float:
 
 def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> float:
     """float32 FLOP/s of `[rows, hidden] x [hidden, inner]` matmuls, the best of repeated timings."""
-    import time
-
-    import torch
+    import torch  # here, like the other heavy imports of this bench: `--help` stays quick
 
     a, b = torch.randn(rows, hidden), torch.randn(hidden, inner)
     best, started = float("inf"), time.perf_counter()
@@ -88,7 +87,7 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> floa
 
 def machine_gemm_flops(model_dir: Path, rows: int, cpus: float) -> float:
     """`gemm_flops` of the model's MLP shape in a Ray task with the learner's CPUs and threads."""
-    import ray
+    import ray  # heavy imports inside functions: `--help` stays quick
     from transformers import AutoConfig
 
     from actors.common import limit_threads
@@ -109,13 +108,15 @@ def mean(rows: list[dict], key: str) -> float:
 
 
 def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
-    """The learner's achieved FLOP/s (what the loss needs over the learn phase's seconds) and this
-    machine's GEMM FLOP/s at the model's MLP shape, with the learner's CPUs (Ray must be up)."""
+    """The learners' achieved FLOP/s (what the loss needs over the learn phase's seconds, all ranks
+    together) and the GEMM FLOP/s of as many learners' CPUs at the model's MLP shape (Ray must be
+    up). For PPO the learn phase also holds the critic's update, which is not counted."""
     model_dir = Path(out_dir) / cfg.name / "final"  # the trained policy: the model's config and shapes
     achieved = sum(needed_flops(model_dir, r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
     tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
     gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
-    return {"achieved": achieved, "gemm": machine_gemm_flops(model_dir, gemm_rows, cfg.resource.cpus_per_learner)}
+    per_learner = machine_gemm_flops(model_dir, gemm_rows, cfg.resource.cpus_per_learner)
+    return {"achieved": achieved, "gemm": per_learner * cfg.resource.num_learners}
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import psutil
@@ -38,13 +39,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 from serve_load import PROMPTS, free_port, wait_ready  # noqa: E402 (the bench's own helpers, run from a checkout)
 
 
+class Record(NamedTuple):
+    """One request: when it was sent and answered, whether it succeeded, what the client saw if not."""
+
+    start: float
+    end: float
+    ok: bool
+    why: str
+
+
 class Load:
     """Steady completions from `concurrency` clients in a thread of its own, every request kept."""
 
     def __init__(self, base: str, concurrency: int):
         self.base, self.concurrency = base, concurrency
-        self.records: list[tuple[float, float, bool]] = []  # (start, end, ok)
-        self.failures: list[tuple[float, str]] = []  # (start, what the client saw)
+        self.records: list[Record] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -62,15 +71,13 @@ class Load:
                 ok, why = response.status_code == 200, f"HTTP {response.status_code}"
             except httpx.HTTPError as e:
                 ok, why = False, type(e).__name__
-            self.records.append((t0, time.monotonic(), ok))
-            if not ok:
-                self.failures.append((t0, why))
+            self.records.append(Record(t0, time.monotonic(), ok, "" if ok else why))
             n += self.concurrency
 
     def first_ok_after(self, start: float, deadline_s: float) -> float | None:
         """Seconds from `start` until a request sent after it succeeded (None past the deadline)."""
         while time.monotonic() - start < deadline_s:
-            done = [r[1] for r in list(self.records) if r[0] >= start and r[2]]
+            done = [r.end for r in list(self.records) if r.start >= start and r.ok]
             if done:
                 return min(done) - start
             time.sleep(0.5)
@@ -79,13 +86,15 @@ class Load:
     def window(self, start: float, end: float, event: bool) -> dict:
         """An event's requests: sent in [start, end) or in flight at `start`; a steady window's:
         sent and answered inside it."""
-        inside = [r for r in self.records if (start <= r[0] < end or r[0] < start < r[1]) if event or r[1] <= end]
-        latencies = sorted(r[1] - r[0] for r in inside if r[2])
+        if event:
+            inside = [r for r in self.records if start <= r.start < end or r.start < start < r.end]
+        else:
+            inside = [r for r in self.records if start <= r.start and r.end <= end]
+        latencies = sorted(r.end - r.start for r in inside if r.ok)
         p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000 if latencies else float("nan")
         worst = latencies[-1] * 1000 if latencies else float("nan")
-        starts = {r[0] for r in inside}
-        failed = [why for t, why in self.failures if t in starts]
-        return {"sent": len(inside), "failed": len(failed), "p99_ms": p99, "max_ms": worst, "why": sorted(set(failed))}
+        failed = [r for r in inside if not r.ok]
+        return {"sent": len(inside), "failed": failed, "p99_ms": p99, "max_ms": worst}
 
 
 def live_replica_pid(app: str) -> int:
@@ -123,6 +132,7 @@ def main() -> int:
     base = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     spans: dict[str, tuple[float, float, str]] = {}  # window -> (start, end, detail)
+    marks: dict[str, float] = {}  # event -> the moment its fault struck
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # half a CPU per engine: the promoted version's engine comes up beside the live one on 2 cores
@@ -141,7 +151,7 @@ def main() -> int:
             started = time.monotonic()
             detail = action()
             if recovery:  # Serve replaces the dead replica; requests sent meanwhile wait for it or another one
-                waited = load.first_ok_after(started, args.recovery_timeout)
+                waited = load.first_ok_after(marks[name], args.recovery_timeout)
                 detail += f"; first request sent after it answered in {waited:.1f} s" if waited is not None else "; none answered"
             time.sleep(args.settle)
             spans[name] = (started, time.monotonic(), detail)
@@ -149,8 +159,13 @@ def main() -> int:
         event("promote", lambda: ops.promote(str(second), ready_timeout_s=300, log=lambda _: None)["live"])
         event("rollback", lambda: ops.rollback()["live"])
         live_app = next(v["app"] for v in ops.status()["versions"] if v["state"] == "live")
-        kill = lambda: os.kill(live_replica_pid(live_app), signal.SIGKILL) or f"pid of {live_app}'s replica killed"  # noqa: E731
-        event("replica kill", kill, recovery=True)
+
+        def kill_live_replica() -> str:
+            os.kill(live_replica_pid(live_app), signal.SIGKILL)
+            marks["replica kill"] = time.monotonic()  # the recovery wait and "in flight" count from here
+            return f"{live_app}'s replica killed"
+
+        event("replica kill", kill_live_replica, recovery=True)
         time.sleep(args.quiet)
         spans["steady (after)"] = (time.monotonic() - args.quiet, time.monotonic(), "")
         load.stop.set()
@@ -168,15 +183,17 @@ def main() -> int:
     print(f"{'window':<30}{'sent':>7}{'failed':>8}{'in flight at start':>20}{'p99 ms':>9}{'max ms':>9}  detail")
     for name, r in rows.items():
         start = spans[name][0]
-        in_flight = sum(rec[0] < start < rec[1] for rec in load.records)
-        detail = "; ".join(filter(None, [r["detail"], f"failed: {', '.join(r['why'])}" if r["failed"] else ""]))
-        print(f"{name:<30}{r['sent']:>7}{r['failed']:>8}{in_flight:>20}{r['p99_ms']:>9.0f}{r['max_ms']:>9.0f}  {detail}")
-    kill = rows["replica kill"]
-    only_in_flight = kill["failed"] <= sum(rec[0] < spans["replica kill"][0] < rec[1] for rec in load.records)
-    print(
-        f"\nreplica kill: {kill['failed']} failed, {'only' if only_in_flight else 'more than'} the requests in flight at the kill"
-    )
-    return 0 if rows["promote"]["failed"] == 0 and rows["rollback"]["failed"] == 0 and only_in_flight else 1
+        in_flight = sum(rec.start < start < rec.end for rec in load.records)
+        why = sorted({rec.why for rec in r["failed"]})
+        detail = "; ".join(filter(None, [r["detail"], f"failed: {', '.join(why)}" if why else ""]))
+        print(f"{name:<30}{r['sent']:>7}{len(r['failed']):>8}{in_flight:>20}{r['p99_ms']:>9.0f}{r['max_ms']:>9.0f}  {detail}")
+    killed_at = marks["replica kill"]
+    lost = rows["replica kill"]["failed"]
+    in_flight_at_kill = [rec for rec in load.records if rec.start < killed_at < rec.end]
+    only_in_flight = all(rec.start < killed_at for rec in lost)  # each failure was sent before the kill
+    verdict = "every failure was in flight at the kill" if only_in_flight else "requests sent after the kill failed too"
+    print(f"\nreplica kill: {len(lost)} failed, of {len(in_flight_at_kill)} in flight at the kill; {verdict}")
+    return 0 if not rows["promote"]["failed"] and not rows["rollback"]["failed"] and only_in_flight else 1
 
 
 if __name__ == "__main__":

@@ -208,3 +208,15 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
         metrics = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_kind=kind, kl_coef=0.1))
         assert abs(metrics["kl"]) < 1e-6 and abs(metrics["kl_loss"]) < 1e-6, (kind, metrics)
         assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # ratio 1: the sampling contract
+
+
+def test_the_entropy_bonus_is_a_loss_term_only_when_its_coefficient_is_set(learner):
+    """With zero advantages the policy-gradient term has no gradient: at entropy_coef 0 the
+    gradient is zero (the entropy is then only a metric, computed without a graph); at 0.5 the
+    bonus alone gives one. The entropy is reported either way."""
+    batch = _batch()
+    step = {**batch, "behaviour_logprobs": learner.logprobs(batch), "advantages": np.zeros((8, 3), dtype=np.float32)}
+    without = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
+    bonus = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.5))
+    assert without["grad_norm"] == 0.0 and bonus["grad_norm"] > 0.01
+    assert without["entropy"] > 0 and bonus["entropy"] > 0

@@ -339,8 +339,8 @@ class Learner:
         with self._full_weights() as state:
             if self.rank != 0:
                 return {}
-            copy = copy or self.spec.zero_stage == 3
-            return {k: v.detach().float().numpy().copy() if copy else v.detach().float().numpy() for k, v in state.items()}
+            arrays = {k: v.detach().float().numpy() for k, v in state.items()}  # views of float32 weights
+            return {k: a.copy() for k, a in arrays.items()} if copy or self.spec.zero_stage == 3 else arrays
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         """Rank 0 hosts the weight-sync group (see actors/core/weight_sync.py); returns its layout."""
