@@ -32,8 +32,13 @@ def limit_threads(cpus: float) -> None:
     roles take turns within a step, so each may use the whole (small) machine."""
     import torch  # here, not at the top: serve/ imports cpu_shortfall from this module without torch
 
-    threads = max(1, int(os.environ.get("RAYPO_THREADS_PER_ACTOR", "0")) or int(round(cpus)) or 1)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads_for(cpus))
+
+
+def threads_for(cpus: float) -> int:
+    """The torch threads of an actor with `cpus` CPUs: RAYPO_THREADS_PER_ACTOR if set, else the
+    CPUs rounded, at least one."""
+    return max(1, int(os.environ.get("RAYPO_THREADS_PER_ACTOR", "0")) or int(round(cpus)) or 1)
 
 
 def fetch_each(refs: Iterable[ray.ObjectRef]) -> Iterator:

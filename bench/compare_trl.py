@@ -45,7 +45,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actors.core.reward import RewardScorer  # noqa: E402 (the repository's packages, run from a checkout)
+from actors.common import threads_for  # noqa: E402 (the repository's packages, run from a checkout)
+from actors.core.reward import RewardScorer  # noqa: E402
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data.dataset import load_task  # noqa: E402
 from pipelines.data.evaluate import evaluate_problems  # noqa: E402
@@ -136,7 +137,7 @@ def run_raypo(cfg) -> dict:
     snapshots = {int(p.name.split("_")[1]): p / "policy" for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     snapshots[cfg.training.steps] = run_dir / "final"
     return {
-        "threads": max(1, round(cfg.resource.cpus_per_learner)),  # actors.common.limit_threads
+        "threads": threads_for(cfg.resource.cpus_per_learner),
         "step_s": [m["step_time"] for m in metrics],
         "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
         "snapshots": snapshots,
@@ -225,7 +226,7 @@ def report(results: list[dict], args) -> None:
         f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
     )
     print(f"{'':<28}{'raypo':>12}{'TRL':>12}{'raypo / TRL':>14}")
-    print(f"threads: raypo's learner {ours['threads']} (resource.cpus_per_learner; its rollout engine has its own), "
+    print(f"threads: raypo's learner {ours['threads']} (cpus_per_learner or RAYPO_THREADS_PER_ACTOR; rollout apart), "
           f"TRL {theirs['threads']} (torch's default, generation and learning in turn)")  # fmt: skip
     rows = [("first_s", "step 0 s (warm-up)"), ("median_s", "median step s"), ("p90_s", "p90 step s")]
     for key, label in [*rows, ("completions_per_s", "completions/s")]:
