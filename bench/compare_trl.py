@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,12 +47,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.common import threads_for  # noqa: E402 (the repository's packages, run from a checkout)
-from actors.core.reward import RewardScorer  # noqa: E402
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data.dataset import load_task  # noqa: E402
-from pipelines.data.evaluate import evaluate_problems  # noqa: E402
+from pipelines.data.evaluate import evaluate_problems, greedy_complete  # noqa: E402
 from pipelines.data.tasks import reward_fields  # noqa: E402
 from pipelines.models.resolve import resolve_model_path  # noqa: E402
+from pipelines.rl.evaluation import reward_scorer  # noqa: E402
 from pipelines.rl.trainer import train  # noqa: E402
 
 MODELS = {  # --model -> (preset, its defaults for the shared settings)
@@ -75,27 +76,6 @@ def raypo_config(args, out_dir: str):
     )  # fmt: skip
 
 
-def scorer_of(cfg) -> RewardScorer:
-    """The run's reward, as raypo's reward actor computes it."""
-    return RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
-
-
-def hf_greedy(model, tokenizer, max_tokens: int, batch: int = 64):
-    """Greedy completions with transformers (left-padded batches): the one evaluation for both."""
-
-    def greedy(prompts: list[str]) -> list[str]:
-        tokenizer.padding_side = "left"
-        out = []
-        for i in range(0, len(prompts), batch):
-            enc = tokenizer(prompts[i : i + batch], return_tensors="pt", padding=True)
-            with torch.no_grad():
-                ids = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        return out
-
-    return greedy
-
-
 class Evaluator:
     """Held-out accuracy of a policy's weights (a model directory or a state dict)."""
 
@@ -106,14 +86,14 @@ class Evaluator:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.problems = load_task(cfg, model_dir).sample(cfg.task.eval_problems, "heldout", cfg.seed)
-        self.scorer = scorer_of(cfg)
+        self.scorer = reward_scorer(cfg)
 
     def accuracy(self, weights: Path | dict) -> float:
         state = weights if isinstance(weights, dict) else load_file(str(next(Path(weights).glob("*.safetensors"))))
         missing, unexpected = self.model.load_state_dict(state, strict=False)  # a tied head is saved once
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
-        greedy = hf_greedy(self.model, self.tokenizer, self.cfg.inference.max_tokens)
+        greedy = partial(greedy_complete, self.model, self.tokenizer, max_new_tokens=self.cfg.inference.max_tokens)
         summary, _ = evaluate_problems(
             self.problems,
             greedy,
@@ -153,7 +133,7 @@ def run_trl(cfg, args, model_dir: Path, out_dir: str) -> dict:
     rows = [next(stream) for _ in range(args.steps * args.prompts)]
     fields = reward_fields(rows)  # the reward's columns, as raypo hands them to the same scorer
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in rows]} | fields)
-    scorer = scorer_of(cfg)
+    scorer = reward_scorer(cfg)
 
     def reward(prompts, completions, **columns):
         return scorer.scores_by_term(prompts, completions, **{k: columns[k] for k in fields})["combined"]
@@ -239,10 +219,10 @@ def report(results: list[dict], args) -> None:
         print(f"{step:>6}{a[0]:>11.3f}{a[1]:>14.1f}{b[0]:>10.3f}{b[1]:>12.1f}")
     # The issue's yardstick is TRL's final accuracy; where both saturate, fixed levels say more.
     targets = sorted({0.9, 0.95, 0.99, round(theirs["curve"][max(theirs["curve"])][0], 3)})
-    print(f"\n{'wall s to accuracy':<20}{'raypo':>10}{'TRL':>10}{'raypo / TRL':>14}")
+    print(f"\n{'wall s to accuracy':<20}{'raypo':>13}{'TRL':>13}{'raypo / TRL':>14}")
     for target in targets:
         ours_wall, theirs_wall = wall_to(ours["curve"], target), wall_to(theirs["curve"], target)
-        cells = [f"{w:>10.1f}" if w is not None else f"{'not reached':>10}" for w in (ours_wall, theirs_wall)]
+        cells = [f"{w:>13.1f}" if w is not None else f"{'not reached':>13}" for w in (ours_wall, theirs_wall)]
         ratio = f"{ours_wall / theirs_wall:>14.2f}" if ours_wall and theirs_wall else f"{'-':>14}"
         print(f"{target:<20.3f}{''.join(cells)}{ratio}")
 

@@ -54,22 +54,28 @@ def run(preset: str | Path, steps: int, out_dir: str, overrides: list[str]) -> t
     return [json.loads(x) for x in lines][1:], cfg  # step 0 includes engine warm-up
 
 
-def needed_flops(model_dir: Path, row: dict, epochs: int) -> float:
-    """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
-    import torch  # heavy imports inside functions: `--help` stays quick
-    from transformers import AutoConfig, AutoModelForCausalLM
+class ModelShape:
+    """What the FLOP count needs of a model directory's architecture (read once, weights never loaded)."""
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):  # shapes only, no weights
-        model = AutoModelForCausalLM.from_config(config)
-    head = model.get_output_embeddings().weight
-    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    body -= 0 if config.tie_word_embeddings else head.numel()
-    tokens = row["prompt_tokens"] + row["response_tokens"]
-    length = tokens / row["samples"]  # mean sequence length (attention is counted at it)
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    flops = 6 * body * tokens + 6 * head.numel() * row["response_tokens"] + 6 * layers * hidden * length**2 * row["samples"]
-    return epochs * flops
+    def __init__(self, model_dir: Path):
+        import torch  # heavy imports inside functions: `--help` stays quick
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):  # shapes only, no weights
+            model = AutoModelForCausalLM.from_config(config)
+        self.head = model.get_output_embeddings().weight.numel()
+        self.body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+        self.body -= 0 if config.tie_word_embeddings else self.head
+        self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
+        self.inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
+
+    def needed_flops(self, row: dict, epochs: int) -> float:
+        """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
+        tokens = row["prompt_tokens"] + row["response_tokens"]
+        length = tokens / row["samples"]  # mean sequence length (attention is counted at it)
+        attention = 6 * self.layers * self.hidden * length**2 * row["samples"]
+        return epochs * (6 * self.body * tokens + 6 * self.head * row["response_tokens"] + attention)
 
 
 def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> float:
@@ -85,20 +91,16 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> floa
     return 2 * rows * hidden * inner / best
 
 
-def machine_gemm_flops(model_dir: Path, rows: int, cpus: float) -> float:
+def machine_gemm_flops(shape: ModelShape, rows: int, cpus: float) -> float:
     """`gemm_flops` of the model's MLP shape in a Ray task with the learner's CPUs and threads."""
     import ray  # heavy imports inside functions: `--help` stays quick
-    from transformers import AutoConfig
 
     from actors.common import limit_threads
-
-    config = AutoConfig.from_pretrained(model_dir)
-    inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
 
     @ray.remote(num_cpus=cpus)
     def measure() -> float:
         limit_threads(cpus)
-        return gemm_flops(config.hidden_size, inner, rows)
+        return gemm_flops(shape.hidden, shape.inner, rows)
 
     return ray.get(measure.remote())
 
@@ -111,11 +113,11 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     """The learners' achieved FLOP/s (what the loss needs over the learn phase's seconds, all ranks
     together) and the GEMM FLOP/s of as many learners' CPUs at the model's MLP shape (Ray must be
     up). For PPO the learn phase also holds the critic's update, which is not counted."""
-    model_dir = Path(out_dir) / cfg.name / "final"  # the trained policy: the model's config and shapes
-    achieved = sum(needed_flops(model_dir, r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
+    shape = ModelShape(Path(out_dir) / cfg.name / "final")  # the trained policy: the model's config and shapes
+    achieved = sum(shape.needed_flops(r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
     tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
     gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
-    per_learner = machine_gemm_flops(model_dir, gemm_rows, cfg.resource.cpus_per_learner)
+    per_learner = machine_gemm_flops(shape, gemm_rows, cfg.resource.cpus_per_learner)
     return {"achieved": achieved, "gemm": per_learner * cfg.resource.num_learners}
 
 

@@ -119,7 +119,7 @@ def token_logprobs_and_entropy(
     token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
     full_logp = token_logp if removed is None else logprobs_from_logits(logits, token_ids)  # [B, T]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logprobs(logp if entropy_grad else logp.detach())
+        entropy = entropy_from_logprobs(logp)
     return token_logp, full_logp, entropy
 
 

@@ -48,13 +48,18 @@ def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem])
     return evaluate_problems(problems, greedy, score_terms, cfg.pass_threshold, sample, k)
 
 
+def reward_scorer(cfg: RaypoConfig) -> RewardScorer:
+    """The run's reward in this process, as the reward actor computes it."""
+    return RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+
+
 def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path | None = None) -> dict:
     """`raypo eval`: the held-out evaluation of the model in `model_dir`, in this process.
     Writes one JSON line per problem to `out_file` when given; returns the summary."""
     task = load_task(cfg, model_dir)
     problems = task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
     llm = vllm_engine.make_llm(str(model_dir), dtype=cfg.model.dtype, seed=cfg.seed)
-    scorer = RewardScorer([(t.fn, t.weight) for t in cfg.reward.terms], cfg.reward.normalize, cfg.reward.value_range)
+    scorer = reward_scorer(cfg)
     max_tokens = eval_max_tokens(cfg, problems)
 
     def score_terms(prompts, completions, fields):
