@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,16 @@ class RolloutActor(Restartable):
         """`n` samples per prompt, prompt i seeded with `seeds[i]`: token ids, text and behaviour
         log-probs (see `Generator.generate`)."""
         return self.generator.generate(prompts, n=n, sampling=sampling, max_tokens=max_tokens, seeds=seeds)
+
+    @ray.method(num_returns=2)
+    def sample(
+        self, prompts: Sequence[str], n: int, sampling: SamplingSpec, max_tokens: int, seeds: Sequence[int] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict]:
+        """`generate`'s batch, and what the driver reads without fetching the batch: the
+        `weights_version` the samples were drawn with and the `seconds` the engine took."""
+        started = time.monotonic()
+        batch = self.generate(prompts, n, sampling, max_tokens, seeds)
+        return batch, {"weights_version": self.generator.weights_version, "seconds": time.monotonic() - started}
 
     def greedy(self, prompts: Sequence[str], max_tokens: int) -> list[str]:
         return self.generator.greedy(prompts, max_tokens)

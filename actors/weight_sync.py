@@ -28,9 +28,22 @@ class WeightSync:
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle]):
         self.learners, self.rollouts = learners, list(rollouts)
         self.version = 0  # the weights version the engines serve (0: the starting weights)
+        # The last push's calls when it did not wait for them: (the engine, or None for a learner's send; the ref).
+        self.loading: list[tuple[ActorHandle | None, ray.ObjectRef]] = []
 
-    def push(self, version: int) -> None:
-        """Every engine serves the learners' weights as `version` when this returns."""
+    def push(self, version: int, wait: bool = True) -> None:
+        """Every engine serves the learners' weights as `version` when this returns; with
+        `wait=False`, once it finishes the calls queued on it before. Raises RayActorError for an
+        engine that died loading these weights, or (not waited for) the previous push's."""
+        previous, self.version = self.loading, version  # `version` is what an engine restarted meanwhile is given, too
+        self.loading = self._send(version)
+        ray.get([ref for _, ref in previous])
+        if wait:
+            loading, self.loading = self.loading, []
+            ray.get([ref for _, ref in loading])
+
+    def _send(self, version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
+        """Start giving every engine the learners' current weights as `version`: (engine, ref) of each call."""
         raise NotImplementedError
 
     def restore(self, engines: Sequence[ActorHandle]) -> None:
@@ -43,17 +56,18 @@ class WeightSync:
 
 
 class ObjectStoreSync(WeightSync):
-    def push(self, version: int) -> None:
-        self.version = version  # what an engine restarted meanwhile is given, too
-        self._send(self.rollouts, version)
-
     def restore(self, engines: Sequence[ActorHandle]) -> None:
+        # A load not waited for on an engine that died has failed, and this one supersedes it.
+        self.loading = [(engine, ref) for engine, ref in self.loading if engine not in engines]
         if self.version:
-            self._send(engines, self.version)
+            ray.get([ref for _, ref in self._load(engines, self.version)])
 
-    def _send(self, engines: Sequence[ActorHandle], version: int) -> None:
+    def _send(self, version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
+        return self._load(self.rollouts, version)
+
+    def _load(self, engines: Sequence[ActorHandle], version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
         weights = self.learners.state_dict_ref()
-        ray.get([r.update_weights.remote(weights, version) for r in engines])
+        return [(r, r.update_weights.remote(weights, version)) for r in engines]
 
 
 class BroadcastSync(WeightSync):
@@ -71,15 +85,14 @@ class BroadcastSync(WeightSync):
         self.layout = ray.get(opened)[0]
         ray.get(joined)
 
-    def push(self, version: int) -> None:
+    def _send(self, version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
         """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
-        self.version = version
-        sends = self.learners.run_async("broadcast_weights")
-        loads = [r.receive_weights.remote(self.layout, version) for r in self.rollouts]
-        ray.get(sends + loads)
+        sends = [(None, ref) for ref in self.learners.run_async("broadcast_weights")]
+        return sends + [(r, r.receive_weights.remote(self.layout, version)) for r in self.rollouts]
 
     def restore(self, engines: Sequence[ActorHandle]) -> None:
         """A restarted engine left the group: form it again with every engine, and broadcast."""
+        self.loading = []  # loads into the old group: the one that died fails, the others are superseded
         self._form_group()
         self.push(self.version)
 

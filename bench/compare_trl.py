@@ -1,7 +1,7 @@
 """raypo and TRL's GRPOTrainer on the same work, one after the other, side by side.
 
     .venv/bin/pip install -e '.[bench]'     # TRL, pinned
-    .venv/bin/python bench/compare_trl.py [--steps 1000 --eval-every 100] [--model smollm2]
+    .venv/bin/python bench/compare_trl.py [--steps 1000 --eval-every 100] [--model smollm2] [--off-policy-steps 0 1]
 
 Both start from the same warm start (the embedded tiny model, or `--model smollm2`: SmolLM2-135M
 imported as examples/smollm2 says), draw the same task's training prompts, sample `--prompts` x
@@ -61,12 +61,13 @@ MODELS = {  # --model -> (preset, its defaults for the shared settings)
 }
 
 
-def raypo_config(args, out_dir: str):
+def raypo_config(args, out_dir: str, off_policy_steps: int = 0):
     preset, _ = MODELS[args.model]
     return load_config(
         preset,
         [
-            f"name=compare_{args.model}", f"seed={args.seed}", f"output_dir={out_dir}", f"training.steps={args.steps}",
+            f"name=compare_{args.model}_ahead{off_policy_steps}", f"algo.off_policy_steps={off_policy_steps}",
+            f"seed={args.seed}", f"output_dir={out_dir}", f"training.steps={args.steps}",
             f"training.batch_size={args.prompts * args.group}", f"training.minibatch_size={args.prompts * args.group}",
             "training.epochs=1", f"training.lr={args.lr}", "training.warmup_steps=0", f"training.save_every={args.eval_every}",
             "training.keep_checkpoints=100000", f"algo.group_size={args.group}", "algo.kl_coef=0", "algo.entropy_coef=0",
@@ -120,6 +121,8 @@ def run_raypo(cfg) -> dict:
         "threads": threads_for(cfg.resource.cpus_per_learner),
         "step_s": [m["step_time"] for m in metrics],
         "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
+        "staleness": statistics.mean(m["staleness"] for m in metrics),
+        "overlap": statistics.median(m["rollout_overlap"] for m in metrics),
         "snapshots": snapshots,
     }
 
@@ -182,10 +185,11 @@ def summarize(name: str, run: dict, evaluator: Evaluator, completions: int) -> d
     clock = [0.0]
     for s in run["step_s"]:
         clock.append(clock[-1] + s)
-    curve = {0: evaluator.accuracy(evaluator.model_dir)} if name == "raypo" else {}
+    curve = {0: evaluator.accuracy(evaluator.model_dir)}  # the same warm start for all
     curve |= {step: evaluator.accuracy(w) for step, w in sorted(run["snapshots"].items())}
     return {
         "name": name,
+        **{k: run[k] for k in ("staleness", "overlap") if k in run},
         "threads": run["threads"],
         "first_s": run["step_s"][0],
         "median_s": statistics.median(steps),
@@ -201,30 +205,37 @@ def wall_to(curve: dict, target: float) -> float | None:
 
 
 def report(results: list[dict], args) -> None:
-    ours, theirs = results
+    """One column per run, the last TRL's when it ran; the ratios are each raypo run's over TRL's."""
+    trl = results[-1] if results[-1]["name"] == "TRL" else None
+    ours = [r for r in results if r is not trl]
     print(
         f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
     )
-    print(f"{'':<28}{'raypo':>12}{'TRL':>12}{'raypo / TRL':>14}")
-    print(f"threads: raypo's learner {ours['threads']} (cpus_per_learner or RAYPO_THREADS_PER_ACTOR; rollout apart), "
-          f"TRL {theirs['threads']} (torch's default, generation and learning in turn)")  # fmt: skip
+    print(f"threads: raypo's learner {ours[0]['threads']} (cpus_per_learner or RAYPO_THREADS_PER_ACTOR; rollout apart)"
+          + (f", TRL {trl['threads']} (torch's default, generation and learning in turn)" if trl else ""))  # fmt: skip
+    ratio_heads = [f"{r['name']} / TRL" for r in ours] if trl else []
+    print(f"{'':<28}" + "".join(f"{r['name']:>18}" for r in results) + "".join(f"{h:>22}" for h in ratio_heads))
     rows = [("first_s", "step 0 s (warm-up)"), ("median_s", "median step s"), ("p90_s", "p90 step s")]
     for key, label in [*rows, ("completions_per_s", "completions/s")]:
-        print(f"{label:<28}{ours[key]:>12.3f}{theirs[key]:>12.3f}{ours[key] / theirs[key]:>14.2f}")
+        ratios = [f"{r[key] / trl[key]:>22.2f}" for r in ours] if trl else []
+        print(f"{label:<28}" + "".join(f"{r[key]:>18.3f}" for r in results) + "".join(ratios))
     for r in results:
-        print(f"{r['name']} phases (median s): " + ", ".join(f"{p} {t:.3f}" for p, t in r["phases"].items()))
-    print(f"\n{'step':>6}{'raypo acc':>11}{'raypo wall s':>14}{'TRL acc':>10}{'TRL wall s':>12}")
-    for step in sorted(set(ours["curve"]) | set(theirs["curve"])):
-        a, b = ours["curve"].get(step, (float("nan"),) * 2), theirs["curve"].get(step, (float("nan"),) * 2)
-        print(f"{step:>6}{a[0]:>11.3f}{a[1]:>14.1f}{b[0]:>10.3f}{b[1]:>12.1f}")
+        extra = f"; staleness {r['staleness']:.2f}, rollout overlap {r['overlap']:.2f}" if "staleness" in r else ""
+        print(f"{r['name']} phases (median s): " + ", ".join(f"{p} {t:.3f}" for p, t in r["phases"].items()) + extra)
+    print(f"\n{'step':>6}" + "".join(f"{r['name'] + ' acc':>18}{'wall s':>10}" for r in results))
+    for step in sorted(set().union(*(r["curve"] for r in results))):
+        cells = [r["curve"].get(step, (float("nan"),) * 2) for r in results]
+        print(f"{step:>6}" + "".join(f"{acc:>18.3f}{wall:>10.1f}" for acc, wall in cells))
     # The issue's yardstick is TRL's final accuracy; where both saturate, fixed levels say more.
-    targets = sorted({0.9, 0.95, 0.99, round(theirs["curve"][max(theirs["curve"])][0], 3)})
-    print(f"\n{'wall s to accuracy':<20}{'raypo':>13}{'TRL':>13}{'raypo / TRL':>14}")
-    for target in targets:
-        ours_wall, theirs_wall = wall_to(ours["curve"], target), wall_to(theirs["curve"], target)
-        cells = [f"{w:>13.1f}" if w is not None else f"{'not reached':>13}" for w in (ours_wall, theirs_wall)]
-        ratio = f"{ours_wall / theirs_wall:>14.2f}" if ours_wall and theirs_wall else f"{'-':>14}"
-        print(f"{target:<20.3f}{''.join(cells)}{ratio}")
+    finals = {round(r["curve"][max(r["curve"])][0], 3) for r in ([trl] if trl else ours)}
+    heads = "".join(f"{r['name']:>18}" for r in results) + "".join(f"{h:>22}" for h in ratio_heads)
+    print(f"\n{'wall s to accuracy':<20}{heads}")
+    for target in sorted({0.9, 0.95, 0.99} | finals):
+        walls = [wall_to(r["curve"], target) for r in results]
+        cells = [f"{w:>18.1f}" if w is not None else f"{'not reached':>18}" for w in walls]
+        theirs = walls[-1] if trl else None
+        ratios = [f"{w / theirs:>22.2f}" if w and theirs else f"{'-':>22}" for w in walls[: len(ours)]] if trl else []
+        print(f"{target:<20.3f}{''.join(cells)}{''.join(ratios)}")
 
 
 def main() -> int:
@@ -237,20 +248,26 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, help="most new tokens (tiny 5, smollm2 24)")
     parser.add_argument("--lr", type=float, help="learning rate (tiny 5e-5, smollm2 1e-5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--off-policy-steps", type=int, nargs="+", default=[0], help="one raypo run per value of algo.off_policy_steps (0)"
+    )
+    parser.add_argument("--no-trl", action="store_true", help="raypo's runs only")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     for key, value in MODELS[args.model][1].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     with tempfile.TemporaryDirectory(prefix="raypo-compare-") as tmp:
-        cfg = raypo_config(args, tmp)
+        runs = {}
+        for ahead in args.off_policy_steps:
+            cfg = raypo_config(args, tmp, ahead)
+            runs[f"raypo ahead {ahead}" if len(args.off_policy_steps) > 1 or ahead else "raypo"] = run_raypo(cfg)
         model_dir = resolve_model_path(cfg)
-        raypo_run = run_raypo(cfg)
-        trl_run = run_trl(cfg, args, model_dir, str(Path(tmp) / "trl"))
+        if not args.no_trl:
+            runs["TRL"] = run_trl(cfg, args, model_dir, str(Path(tmp) / "trl"))
         evaluator = Evaluator(cfg, model_dir)
         completions = args.prompts * args.group
-        results = [summarize("raypo", raypo_run, evaluator, completions), summarize("TRL", trl_run, evaluator, completions)]
-    results[1]["curve"][0] = results[0]["curve"][0]  # the same warm start
+        results = [summarize(name, run, evaluator, completions) for name, run in runs.items()]
     report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))

@@ -255,6 +255,20 @@ class AlgoConfig(Strict):
         "k3 = r - 1 - log r (r = pi_ref/pi), whose gradient is that of KL(pi_ref || pi); k1 = log pi/pi_ref has zero "
         "expected gradient as a loss and is refused with a KL penalty on",
     )
+    off_policy_steps: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="rollout runs this many steps ahead of learning: while the learners train on step t's batch, the "
+        "engines already sample step t+1's, from weights this many updates old; the loss then corrects for the staleness "
+        "(decoupled PPO). 0 = synchronous: each step samples from the newest weights",
+    )
+    off_policy_weight_cap: float = Field(
+        2.0,
+        ge=1,
+        description="with off_policy_steps > 0: each token's importance weight pi_proximal / pi_behaviour (the policy "
+        "the loss is clipped around over the stale one that sampled it) is truncated at this",
+    )
     dpo_beta: float = Field(0.1, gt=0, description="DPO temperature")
     dpo_kind: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO loss form")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="conservative DPO smoothing")
@@ -298,6 +312,15 @@ class AlgoConfig(Strict):
             raise ValueError(
                 f"algo.name=gspo with algo.policy_loss={self.policy_loss}: GSPO is GRPO with the gspo policy loss; "
                 "leave algo.policy_loss out, or use algo.name=grpo"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _off_policy_needs_sampling(self):
+        if self.name == "dpo" and self.off_policy_steps:
+            raise ValueError(
+                f"algo.off_policy_steps={self.off_policy_steps} with algo.name=dpo: DPO samples nothing, so there is no "
+                "rollout to run ahead of learning; leave algo.off_policy_steps at 0"
             )
         return self
 

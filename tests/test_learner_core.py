@@ -220,3 +220,37 @@ def test_the_entropy_bonus_is_a_loss_term_only_when_its_coefficient_is_set(learn
     bonus = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.5))
     assert without["grad_norm"] == 0.0 and bonus["grad_norm"] > 0.01
     assert without["entropy"] > 0 and bonus["entropy"] > 0
+
+
+@pytest.mark.parametrize("minibatch", [8, 4])
+def test_decoupled_ppo_with_nothing_stale_is_the_synchronous_update(tiny_model, minibatch):
+    """Samples whose behaviour log-probs are the learner's own (nothing stale): every importance
+    weight is 1 and the proximal policy is the behaviour one, so the off-policy loss
+    (behaviour_weight_cap set) updates the weights exactly as the synchronous loss does, in one
+    minibatch (the proximal log-probs read off the loss's own forward pass) and in two (each
+    minibatch's proximal log-probs computed before the first update moves the weights)."""
+    batch = _batch()
+    weights = {}
+    for cap in (None, 2.0):
+        learner = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-2), master_port=29611)  # joins the module's gloo world
+        adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
+        step = {**batch, "behaviour_logprobs": learner.logprobs(batch), "advantages": adv}
+        spec = LossSpec(kl_coef=0.0, entropy_coef=0.0, clip_low=0.05, clip_high=0.05, behaviour_weight_cap=cap)
+        metrics = learner.train_step(minibatches(step, minibatch, seed=0), spec)
+        assert metrics["update_success"] == 1.0
+        if cap is not None:
+            assert metrics["behaviour_weight_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["behaviour_weight_capped"] == 0
+        weights[cap] = learner.state_dict()
+    for name, value in weights[None].items():
+        np.testing.assert_allclose(weights[2.0][name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):
+    """With several minibatches, each gets the log-probs of its rows under the weights the step
+    starts from, before any of its updates."""
+    batch = _batch()
+    step = {**batch, "behaviour_logprobs": np.zeros((8, 3), dtype=np.float32), "advantages": np.zeros((8, 3), dtype=np.float32)}
+    parts = list(minibatches(step, 4, seed=0))
+    for part in learner._with_proximal(parts):
+        np.testing.assert_allclose(part["proximal_logprobs"], learner.logprobs(part), rtol=0, atol=1e-6)
+    assert learner._with_proximal(parts[:1]) == parts[:1]  # one minibatch reads them off its own forward pass

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from pipelines.algos.losses import (
     POLICY_LOSSES,
     bradley_terry_loss,
+    decoupled_targets,
     dpo_loss,
     entropy_from_logprobs,
     kl_penalty,
@@ -325,3 +326,63 @@ def test_normalizers_shard_to_the_whole_minibatch_for_gspo_too():
     whole, _ = gspo(logp, torch.zeros(4, 4), adv, mask, normalizer=Normalizers.of(mask))
     shards = [gspo(logp[r], torch.zeros(2, 4), adv[r], mask[r], normalizer=Normalizers.of(mask, 2))[0] for r in ([0, 2], [1, 3])]
     assert (sum(shards) / 2).item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def _decoupled_loss(logp, behaviour, proximal, adv, mask, cap, **kwargs):
+    base, weighted, metrics = decoupled_targets(behaviour, proximal, adv, mask, cap)
+    loss, _ = ppo_policy_loss(logp, base, weighted, mask, **kwargs)
+    return loss, metrics
+
+
+def test_decoupled_ppo_hand_computed():
+    """-w min(r A, clip(r) A), r = pi / pi_prox, w = min(pi_prox / pi_behav, cap), token by token."""
+    logp = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.2), math.log(0.1)]])
+    proximal = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2), math.log(0.2)]])
+    behaviour = torch.tensor([[math.log(0.5), math.log(0.1), math.log(0.4), math.log(0.2)]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, metrics = _decoupled_loss(logp, behaviour, proximal, adv, mask, cap=2.0, clip_low=0.1, clip_high=0.1)
+    # token 0: w 1, r 1.2 clipped to 1.1 (A > 0) -> -1.1; token 1: w 3 capped to 2, r 1 -> -2;
+    # token 2: w 0.5, r 1, A -1 -> +0.5; token 3 is masked out
+    assert loss.item() == pytest.approx((-1.1 - 2.0 + 0.5) / 3, rel=1e-5)
+    assert metrics == pytest.approx({"behaviour_weight_mean": (1 + 2 + 0.5) / 3, "behaviour_weight_capped": 1 / 3})
+
+
+@pytest.mark.parametrize("cap", [1.5, 100.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_decoupled_ppo_is_the_truncated_importance_weighted_policy_gradient(seed, cap):
+    """On a full 6-token distribution, every token taken once and weighted by how often the stale
+    behaviour policy mu samples it: at the proximal policy (the weights before the update) the
+    loss's gradient is -sum_a mu(a) min(pi(a) / mu(a), cap) A(a) grad log pi(a), by autograd on the
+    distribution; with no cap hit that is the on-policy gradient -grad sum_a pi(a) A(a)."""
+    g = torch.Generator().manual_seed(seed)
+    V = 6
+    theta = torch.randn(V, generator=g).requires_grad_()
+    mu = torch.softmax(torch.randn(V, generator=g), dim=0)
+    A = torch.randn(V, generator=g)
+    logp = torch.log_softmax(theta, dim=0)  # [V]: one row per token
+    # token-mean over V one-token rows is (1 / V) sum_a: scaling A by V mu(a) makes it sum_a mu(a)
+    loss, _ = _decoupled_loss(
+        logp[:, None], torch.log(mu)[:, None], logp.detach()[:, None], (V * mu * A)[:, None], torch.ones(V, 1), cap=cap
+    )
+    (grad,) = torch.autograd.grad(loss, theta)
+    pi = torch.softmax(theta.detach(), dim=0)
+    truncated = -(mu * torch.clamp(pi / mu, max=cap) * A * torch.log_softmax(theta, dim=0)).sum()
+    (expected,) = torch.autograd.grad(truncated, theta)
+    torch.testing.assert_close(grad, expected)
+    if cap > (pi / mu).max():
+        (on_policy,) = torch.autograd.grad(-(torch.softmax(theta, dim=0) * A).sum(), theta)
+        torch.testing.assert_close(grad, on_policy)
+
+
+def test_decoupled_ppo_clips_around_the_proximal_policy_not_the_behaviour_one():
+    """The policy has moved 1.5x past the proximal policy on a token whose behaviour probability it
+    is still close to: decoupled PPO clips it (no gradient), the ratio to the behaviour does not."""
+    logp = torch.tensor([[math.log(0.3)]], requires_grad=True)
+    proximal, behaviour = torch.tensor([[math.log(0.2)]]), torch.tensor([[math.log(0.29)]])
+    loss, _ = _decoupled_loss(logp, behaviour, proximal, torch.ones(1, 1), torch.ones(1, 1), cap=2.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.item() == 0.0
+    plain, _ = ppo_policy_loss(logp, behaviour, torch.ones(1, 1), torch.ones(1, 1))
+    (grad,) = torch.autograd.grad(plain, logp)
+    assert grad.item() < 0

@@ -309,8 +309,8 @@ def test_phases_launched_together_overlap_and_each_is_timed_to_its_own_end(local
     phases.done_together(reward=nap.remote(0.5), reference=nap.remote(1.0), value=None)
     elapsed = time.monotonic() - started
     assert elapsed < 1.4, f"the phases ran one after the other ({elapsed:.2f} s for 0.5 s + 1.0 s)"
-    assert 0.5 <= phases.times["time_reward"] < phases.times["time_reference"] and phases.times["time_reference"] >= 1.0
-    assert phases.times["time_value"] < 0.1
+    assert 0.5 <= phases.metrics["time_reward"] < phases.metrics["time_reference"] and phases.metrics["time_reference"] >= 1.0
+    assert phases.metrics["time_value"] < 0.1
 
 
 def test_dpo_learns_the_built_in_preferences_and_keeps_the_task(local_ray, tiny_model, tmp_path):

@@ -35,6 +35,7 @@ from pipelines.algos.losses import (
     LossSpec,
     Normalizers,
     bradley_terry_loss,
+    decoupled_targets,
     dpo_loss,
     kl_penalty,
     masked_aggregate,
@@ -138,10 +139,29 @@ class Learner:
         minibatches (and identical on every rank).
         """
         self.engine.train()
+        if loss.behaviour_weight_cap is not None:
+            minibatches = self._with_proximal(list(minibatches))
         results = [r for r in (self._minibatch_step(mb, loss) for mb in minibatches) if r is not None]
         if not results:
             raise ValueError("no sample of this step has a reward (all unscored): nothing to learn from")
         return self._steps_done(results)
+
+    @torch.no_grad()
+    def _with_proximal(self, minibatches: list[Mapping[str, np.ndarray]]) -> list[Mapping[str, np.ndarray]]:
+        """Decoupled PPO's proximal policy is the weights before this step's first update. With one
+        minibatch the loss reads it off its own forward pass (the weights have not moved yet); with
+        more, later minibatches would see moved weights, so every minibatch gets this rank's rows'
+        log-probs under the current weights first (`proximal_logprobs`, one forward pass each)."""
+        if len(minibatches) < 2:
+            return minibatches
+        out = []
+        for batch in minibatches:
+            mine = self._my_rows(np.arange(len(batch["response_ids"])))
+            logp, _, _ = self._policy(sequence_tensors(batch, mine))
+            proximal = np.zeros(batch["behaviour_logprobs"].shape, dtype=np.float32)
+            proximal[mine] = logp.numpy()
+            out.append({**batch, "proximal_logprobs": proximal})
+        return out
 
     def _steps_done(self, results: list[dict[str, float]]) -> dict[str, float]:
         """A step's metrics: the mean over its minibatches' updates (skipped ones report none)."""
@@ -163,9 +183,13 @@ class Learner:
         logp, full_logp, entropy_per_token = self._policy(inputs, entropy_grad=spec.entropy_coef != 0)  # [n, T] each
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
+        base, off_policy = behaviour, {}  # the ratio's base: the policy that sampled, unless decoupled
+        if spec.behaviour_weight_cap is not None:
+            proximal = torch.from_numpy(batch["proximal_logprobs"][mine]) if "proximal_logprobs" in batch else logp.detach()
+            base, advantages, off_policy = decoupled_targets(behaviour, proximal, advantages, mask, spec.behaviour_weight_cap)
         pg_loss, metrics = POLICY_LOSSES.get(spec.policy_loss)(
             logp,
-            behaviour,
+            base,
             advantages,
             mask,
             clip_low=spec.clip_low,
@@ -195,6 +219,7 @@ class Learner:
             "kl_loss": kl_term.item(),
             "clip_fraction": metrics["clip_fraction"],
             "approx_kl": metrics["approx_kl"],
+            **off_policy,
         }
         return self._update(total, local)
 

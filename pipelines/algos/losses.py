@@ -9,6 +9,7 @@ reduction takes the count of its own unit: tokens for a token mean, sequences ot
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class LossSpec:
     kl_coef: float = 0.001
     kl_kind: str = "k2"
     entropy_coef: float = 0.01
+    # Off-policy rollout (`algo.off_policy_steps` > 0): decoupled PPO with importance weights
+    # truncated at this (`decoupled_targets`); None: the ratio is taken against the behaviour policy.
+    behaviour_weight_cap: float | None = None
     poisoned: bool = False  # fault injection (config `chaos.nan_loss_steps`): this update's loss is NaN, as a diverged one's
 
 
@@ -189,6 +193,36 @@ def ppo_policy_loss(
             "ratio_mean": masked_aggregate(ratio, unit_mask, "token-mean").item(),
         }
     return loss, metrics
+
+
+def decoupled_targets(
+    behaviour_logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, mask: Tensor, cap: float
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", Eq. 2;
+    AReaL, Fu et al. 2025, Eq. 5) for samples drawn by a stale behaviour policy: the clipped
+    surrogate is taken around the proximal policy (the learner's weights at the start of the
+    update), and each token is weighted by w = pi_prox / pi_behav, truncated at `cap` (as veRL's
+    truncated importance sampling; AReaL drops the tokens past its cap instead):
+
+        loss = -w * min(r A, clip(r) A),  r = pi / pi_prox,  w = min(exp(prox - behav), cap)
+
+    Since w >= 0 it folds into the advantage: a policy loss given `proximal_logprobs` as its
+    base and `w * A` as the advantages computes exactly this. All inputs `[B, T]`; returns
+    (the ratio's base, the weighted advantages, metrics: the weights' mean and the share capped).
+
+    >>> base, adv, m = decoupled_targets(torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]),
+    ...                                  torch.tensor([[1.0, 1.0]]), torch.tensor([[1, 1]]), cap=2.0)
+    >>> adv.tolist(), m
+    ([[1.0, 2.0]], {'behaviour_weight_mean': 1.5, 'behaviour_weight_capped': 0.5})
+    """
+    log_weight = torch.where(mask.bool(), proximal_logprobs - behaviour_logprobs, torch.zeros_like(proximal_logprobs))
+    weight = torch.exp(log_weight).clamp(max=cap).detach()
+    with torch.no_grad():
+        metrics = {
+            "behaviour_weight_mean": masked_aggregate(weight, mask, "token-mean").item(),
+            "behaviour_weight_capped": masked_aggregate((log_weight > math.log(cap)).to(weight.dtype), mask, "token-mean").item(),
+        }
+    return proximal_logprobs.detach(), advantages * weight, metrics
 
 
 def masked_row_mean(values: Tensor, mask: Tensor) -> Tensor:

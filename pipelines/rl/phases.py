@@ -7,6 +7,7 @@ time each phase. Algorithms (rl/grpo.py, rl/ppo.py) compose these phases.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -23,10 +24,11 @@ from pipelines.rl.roles import Roles, sampling_spec
 class Phases:
     """Wall time per phase of one step: each `done(name, *refs)` waits (without fetching) for
     the phase's results and records the time since the previous phase ended; `done_together`
-    does so for phases launched at once, each timed to its own end (their times overlap)."""
+    does so for phases launched at once, each timed to its own end (their times overlap).
+    `metrics` holds the times, as `time_<name>`, and what the phases report beside them."""
 
     def __init__(self):
-        self.times: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}
         self._last = time.monotonic()
 
     def done(self, name: str, *refs) -> None:
@@ -37,7 +39,7 @@ class Phases:
         refs = {name: [r for r in (v if isinstance(v, list) else [v]) if r is not None] for name, v in phases.items()}
         waiting = {name: set(rs) for name, rs in refs.items()}
         for name in [n for n, rs in waiting.items() if not rs]:
-            self.times[f"time_{name}"] = time.monotonic() - self._last
+            self.metrics[f"time_{name}"] = time.monotonic() - self._last
             del waiting[name]
         while waiting:
             pending = [r for rs in waiting.values() for r in rs]
@@ -46,7 +48,7 @@ class Phases:
             for name in list(waiting):
                 waiting[name] -= set(ready)
                 if not waiting[name]:
-                    self.times[f"time_{name}"] = now - self._last
+                    self.metrics[f"time_{name}"] = now - self._last
                     del waiting[name]
         self._last = time.monotonic()
 
@@ -66,29 +68,78 @@ def prompts_at(cfg: RaypoConfig, step: int) -> int:
     return max(1, cfg.training.batch_size // group_size_at(cfg, step))
 
 
-def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int):
-    """All prompts of the step, split over the rollout actors, each prompt with its own sampling
-    seed (from the run seed, the step and its index in the step); one batch ref back.
+@dataclass
+class Generation:
+    """One step's rollout in flight: the engines' shares of its prompts, each a (batch, info) ref
+    pair from `RolloutActor.sample`. Launched when the step starts, or steps before with
+    `algo.off_policy_steps` (`Roles.ahead`), so that it runs while the learners train."""
+
+    step: int
+    problems: list[Problem]
+    chunks: list[np.ndarray]  # the prompt indices of each engine's share
+    parts: list[tuple[ray.ObjectRef, ray.ObjectRef]] = field(default_factory=list)
+
+
+def launch_generation(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int) -> Generation:
+    """Ask the engines for all prompts of `step`, split over them, each prompt with its own
+    sampling seed (from the run seed, the step and its index in the step). An engine samples with
+    the weights it holds when it reaches the call: its calls run in the order they were made."""
+    chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
+    generation = Generation(step, problems, chunks)
+    generation.parts = [_launch_share(roles, cfg, generation, i) for i in range(len(chunks))]
+    return generation
+
+
+def _launch_share(roles: Roles, cfg: RaypoConfig, generation: Generation, i: int):
+    idx, seeds = generation.chunks[i], prompt_seeds(cfg.seed, generation.step, len(generation.problems))
+    return roles.rollouts[i].sample.remote(
+        [generation.problems[j].prompt for j in idx], group_size_at(cfg, generation.step), sampling_spec(cfg),
+        cfg.inference.max_tokens, [seeds[j] for j in idx],
+    )  # fmt: skip
+
+
+def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int) -> tuple[ray.ObjectRef, dict]:
+    """The step's batch (a ref): its generation launched ahead (`Roles.ahead`), else launched now.
+    Also returns `weights_version` (the
+    oldest weights any share was sampled with) and `time_generate_busy` (the slowest engine's
+    seconds on it).
 
     An engine that Ray restarted meanwhile (its process died) gets the current weights, and its
     share is generated again, with the same seeds: the batch is the one it would have been."""
-    chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
-    seeds = prompt_seeds(cfg.seed, step, len(problems))
+    generation = roles.ahead.pop(step, None) or launch_generation(roles, cfg, problems, step)
+    for _ in range(cfg.resource.max_actor_restarts + 1):
+        batches = [batch for batch, _ in generation.parts]
+        ray.wait(batches, num_returns=len(batches), fetch_local=False)
+        redo = set(restart_engines(roles, range(len(generation.chunks)))) | _failed_shares(generation)
+        if not redo:
+            break
+        for i in redo:
+            generation.parts[i] = _launch_share(roles, cfg, generation, i)
+    infos = ray.get([info for _, info in generation.parts])  # an engine that keeps failing raises here
+    facts = {"weights_version": min(i["weights_version"] for i in infos), "time_generate_busy": max(i["seconds"] for i in infos)}
+    batches = [batch for batch, _ in generation.parts]
+    return (batches[0] if len(batches) == 1 else roles.concat_batches.remote(*batches)), facts
 
-    def launch(i: int):
-        idx = chunks[i]
-        return roles.rollouts[i].generate.remote(
-            [problems[j].prompt for j in idx], group_size_at(cfg, step), sampling_spec(cfg), cfg.inference.max_tokens,
-            [seeds[j] for j in idx],
-        )  # fmt: skip
 
-    parts = [launch(i) for i in range(len(chunks))]
-    ray.wait(parts, num_returns=len(parts), fetch_local=False)
-    while restarted := restart_engines(roles, range(len(chunks))):
-        for i in restarted:
-            parts[i] = launch(i)
-        ray.wait(parts, num_returns=len(parts), fetch_local=False)
-    return parts[0] if len(parts) == 1 else roles.concat_batches.remote(*parts)
+def _failed_shares(generation: Generation) -> set[int]:
+    """The shares whose engine died under them: restarted already (a launch ahead of the step
+    waited in its queue), it was given the weights then, and the share is asked for again."""
+    failed = set()
+    for i, (_, info) in enumerate(generation.parts):
+        try:
+            ray.get(info)
+        except ray.exceptions.RayActorError:
+            failed.add(i)
+    return failed
+
+
+def launch_ahead(roles: Roles, cfg: RaypoConfig) -> None:
+    """Launch the generations of the steps in `roles.upcoming` not launched yet, in step order
+    (`algo.off_policy_steps`). Launched before this step's update, they sample with the weights
+    the engines hold now: each engine runs its calls in the order they were made."""
+    for step in sorted(roles.upcoming):
+        if step not in roles.ahead:
+            roles.ahead[step] = launch_generation(roles, cfg, roles.upcoming[step], step)
 
 
 def restart_engines(roles: Roles, engines) -> list[int]:
@@ -105,13 +156,17 @@ def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[
     """The phases every RL algorithm starts with: generate, then reward, reference log-probs and
     (with a critic) values, launched together on the batch. Returns refs to the batch, its
     rewards, its reference log-probs (None without a reference) and its values (None without)."""
-    batch = generate(roles, cfg, problems, step)
+    batch, facts = generate(roles, cfg, problems, step)
     phases.done("generate", batch)
+    phases.metrics |= facts
     scores = roles.reward.score.remote(batch, reward_fields(problems), step)
     reference_logprobs = roles.reference.logprobs.remote(batch) if roles.reference else None
     values = roles.value.values.remote(batch) if roles.value else None
     scored = {"reward": scores, "reference": reference_logprobs} | ({"value": values} if roles.value else {})
     phases.done_together(**scored)
+    # The next steps' batches are sampled while this one learns (algo.off_policy_steps); not
+    # sooner, where the engines would share the CPUs with the reference and the critic too.
+    launch_ahead(roles, cfg)
     return batch, scores, reference_logprobs, values
 
 
@@ -127,6 +182,7 @@ def policy_loss_spec(cfg: RaypoConfig, step: int) -> LossSpec:
         kl_coef=algo.kl_coef,
         kl_kind=algo.kl_kind,
         entropy_coef=algo.entropy_coef,
+        behaviour_weight_cap=algo.off_policy_weight_cap if algo.off_policy_steps else None,
         poisoned=step in cfg.chaos.nan_loss_steps,
     )
 
@@ -158,7 +214,7 @@ def learn_and_sync(roles: Roles, cfg: RaypoConfig, step: int, batch, targets, st
     summary = {"group_size": group_size_at(cfg, step), **ray.get(stats), "clip_eps": loss.clip_low}
     if summary["reward_unscored"] == summary["samples"]:
         # Nothing to learn from; the weights stay as they are (the alerts print a warning).
-        return {**summary, "update_skipped": 1, **phases.times}
+        return {**summary, "update_skipped": 1, **phases.metrics}
     return {**summary, **store_learn_sync(roles, cfg, step, batch, targets, summary["samples"], phases, "train_step", loss)}
 
 
@@ -178,12 +234,14 @@ def store_learn_sync(
     side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
     try:
-        roles.weight_sync.push(step + 1)
+        # Running ahead, the engines load the weights after the generation queued before them,
+        # and the step goes on without waiting (an engine that died loading them is seen at the next push).
+        roles.weight_sync.push(step + 1, wait=not cfg.algo.off_policy_steps)
     except ray.exceptions.RayActorError:
         if not restart_engines(roles, range(len(roles.rollouts))):  # an engine died as it loaded them: give it the weights
             raise
     phases.done("sync")
-    return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.times}
+    return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.metrics}
 
 
 def reward_floor(cfg: RaypoConfig) -> float:

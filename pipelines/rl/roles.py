@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -17,7 +17,7 @@ from ray.remote_function import RemoteFunction
 from ray.util.placement_group import PlacementGroup
 
 from actors.buffer import ExperienceBuffer
-from actors.common import ResourceFitError, check_fit, cpu_shortfall
+from actors.common import ResourceFitError, check_fit, cpu_shortfall, threads_for
 from actors.core.learner import LearnerSpec
 from actors.core.reward import RefreshSpec
 from actors.learner import LearnerGroup
@@ -56,6 +56,10 @@ class Roles:
     watch: ActorWatch  # which of the restartable roles Ray restarted (rl/recovery.py)
     reference: ActorHandle[ReferenceActor] | None = None  # only for DPO or a KL term (algo.uses_reference)
     value: ActorHandle[ValueActor] | None = None  # only with a critic (algo.advantage = gae)
+    # Sampling ahead of learning (algo.off_policy_steps): the prompts of the steps after the one
+    # training (step -> problems, drawn by the driver) and their rl/phases.py Generations once launched.
+    upcoming: dict = field(default_factory=dict)
+    ahead: dict = field(default_factory=dict)
 
     def rebuild_learners(self, spec: LearnerSpec) -> None:
         """A new learner group in the bundles of the old one (stopped: a rank died), wired to the engines."""
@@ -198,6 +202,16 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
     )
 
 
+def rollout_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int:
+    """The engines' torch threads: `threads`, less those of the learners on their node when they
+    sample ahead (algo.off_policy_steps), which runs them while the learners train."""
+    if not cfg.algo.off_policy_steps:
+        return threads  # roles take turns within a step
+    node = {where["role"]: where["node_id"] for where in placement.where()}
+    beside = sum(node[f"learner-{rank}"] == node["rollout-0"] for rank in range(cfg.resource.num_learners))
+    return max(1, threads - beside * threads_for(cfg.resource.cpus_per_learner))
+
+
 def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement, checkpoints: str | None = None) -> Roles:
     """Start every role of the run, each in its bundle of `placement`. Ray restarts the roles but
     the learners when their process dies; restarted, the reward model and critic come back from
@@ -211,8 +225,12 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
 
     rollouts = [
         RolloutActor.options(**options(f"rollout-{i}", retry_calls=False)).remote(
-            str(model_dir), threads, dtype=cfg.model.dtype, seed=cfg.seed + i, gpu_memory_fraction=res.gpu_memory_fraction
-        )
+            str(model_dir),
+            rollout_threads(cfg, placement, threads),
+            dtype=cfg.model.dtype,
+            seed=cfg.seed + i,
+            gpu_memory_fraction=res.gpu_memory_fraction,
+        )  # fmt: skip
         for i in range(res.num_rollout_workers)
     ]
     terms = [(t.fn, t.weight) for t in cfg.reward.terms]

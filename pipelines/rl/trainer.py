@@ -188,13 +188,19 @@ class Trainer:
         for past in sinks.history:
             alerts.check(past)
         guard = UpdateGuard(cfg.training, sinks.history, lr_scale=state.get("lr_scale", 1.0))
+        ahead = cfg.algo.off_policy_steps
+        self.roles.upcoming.clear()
+        self.roles.ahead.clear()
+        # Running ahead, the engines are busy with the next step's batch now: they are watched when it is collected.
+        watched = [role for role in self.roles.watch.actors if not (ahead and role.startswith("rollout-"))]
         for step in range(start_step, cfg.training.steps):
-            problems = [next(stream) for _ in range(prompts_at(cfg, step))]
-            metrics = self._one_step(step, problems)
+            metrics = self._one_step(step, self._prompts(step, stream))
             if guard.record(metrics):
                 metrics |= self._roll_back(step, guard, state)
-            restart_engines(self.roles, range(len(self.roles.rollouts)))  # an engine restarted since: the current weights
-            self.roles.watch.restarted()  # logs the other roles Ray restarted during the step (it re-ran their calls)
+                self.roles.ahead.clear()  # sampled with the weights rolled back from: sampled again
+            if not ahead:
+                restart_engines(self.roles, range(len(self.roles.rollouts)))  # an engine restarted since: the current weights
+            self.roles.watch.restarted(watched)  # logs the roles Ray restarted during the step (it re-ran their calls)
             metrics["actor_restarts"] = self.roles.watch.total()
             if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                 metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
@@ -215,6 +221,15 @@ class Trainer:
                 self.upload()
         return max(cfg.training.steps, start_step)
 
+    def _prompts(self, step: int, stream: Iterator[Problem]) -> list[Problem]:
+        """The prompts of `step`, drawn from `stream` with those of the steps sampled ahead of it
+        (algo.off_policy_steps), which wait in `roles.upcoming`."""
+        upcoming = self.roles.upcoming
+        for s in range(step, min(step + self.cfg.algo.off_policy_steps, self.cfg.training.steps - 1) + 1):
+            if s not in upcoming:
+                upcoming[s] = [next(stream) for _ in range(prompts_at(self.cfg, s))]
+        return upcoming.pop(step)
+
     def _rebuild_learners(self, lost: LearnerLost, rebuilds: int, state: dict) -> int:
         """A learner rank died (the group was stopped at once): a new group in the same bundles,
         restored from the newest whole checkpoint (else the starting weights), the engines given
@@ -223,6 +238,7 @@ class Trainer:
         if rebuilds > bound:
             raise TrainingError(f"{lost}; the learners were rebuilt {bound} times already (resource.max_actor_restarts)")
         started = time.monotonic()
+        self.roles.ahead.clear()  # sampled with the lost weights: the steps trained again sample again
         self.roles.rebuild_learners(learner_spec(self.cfg, self.model_dir))
         ckpt, _ = storage.newest_whole(self.ckpt_root)
         restored = load_checkpoint(self.roles, ckpt) if ckpt else {"step": 0}
@@ -277,8 +293,13 @@ class Trainer:
         started = time.monotonic()
         metrics = self.pipeline.step(self.roles, self.cfg, step, problems)
         out = {"step": step, **metrics, "step_time": time.monotonic() - started}  # phases overlap: wall time
-        if "time_generate" in metrics:
-            out["tokens_per_s"] = metrics["response_tokens"] / max(metrics["time_generate"], 1e-9)
+        if "time_generate_busy" in metrics:
+            busy = max(metrics["time_generate_busy"], 1e-9)
+            out["tokens_per_s"] = metrics["response_tokens"] / busy
+            # the updates the weights that sampled the batch lag behind (algo.off_policy_steps), and the
+            # share of the engines' sampling that ran hidden behind the step before
+            out["staleness"] = step - metrics["weights_version"]
+            out["rollout_overlap"] = min(1.0, max(0.0, 1.0 - metrics["time_generate"] / busy))
         return out
 
 
