@@ -52,7 +52,7 @@ class WeightSync:
 
     def rewire(self, learners: LearnerGroup) -> None:
         """Take weights from `learners` from now on (a group rebuilt after a rank died)."""
-        self.learners = learners
+        self.learners, self.loading = learners, []  # a push not waited for may have died with the old group
 
 
 class ObjectStoreSync(WeightSync):

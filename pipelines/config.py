@@ -374,6 +374,13 @@ class TrainingConfig(Strict):
         64, ge=1, description="most samples per optimizer step (a step's rows are cut into equal minibatches of at most this)"
     )
     epochs: int = Field(1, ge=1, description="passes over each step's experience")
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="most rows one learner runs forward and backward at once: its share of a minibatch is cut into "
+        "micro-batches whose gradients add up to one optimizer step, so memory does not grow with the minibatch "
+        "(0 = its whole share at once). Policy updates only",
+    )
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(3, ge=0, description="keep the newest N checkpoints, deleting older ones (0 = keep all)")
     rollback_after: int = Field(

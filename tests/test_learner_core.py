@@ -254,3 +254,32 @@ def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):
     for part in learner._with_proximal(parts):
         np.testing.assert_allclose(part["proximal_logprobs"], learner.logprobs(part), rtol=0, atol=1e-6)
     assert learner._with_proximal(parts[:1]) == parts[:1]  # one minibatch reads them off its own forward pass
+
+
+def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):
+    """8 rows in micro-batches of at most 3 (3 + 3 + 2), with the entropy and KL terms on: the
+    same weights and metrics as the whole minibatch in one pass (the losses add up, the per-token
+    means are weighted by tokens)."""
+    batch = _batch()
+    results = {}
+    for micro in (0, 3):
+        learner = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-2, micro_batch_size=micro), master_port=29611)
+        adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
+        behaviour = learner.logprobs(batch) - 0.1 * np.arange(8, dtype=np.float32)[:, None]  # ratios off 1, some clipped
+        step = {**batch, "behaviour_logprobs": behaviour, "advantages": adv, "reference_logprobs": behaviour + 0.05}
+        spec = LossSpec(kl_coef=0.1, entropy_coef=0.01, clip_low=0.2, clip_high=0.2)
+        passes, loss_of = [], learner._policy_loss  # records the rows of each forward pass, computes as before
+        learner._policy_loss = lambda batch, rows, *rest, passes=passes, loss_of=loss_of: (
+            passes.append(len(rows)) or loss_of(batch, rows, *rest)
+        )
+        results[micro] = (learner.train_step(minibatches(step, 8, seed=0), spec), learner.state_dict())
+        assert passes == ([8] if micro == 0 else [3, 3, 2]), passes
+    (whole, w0), (micro, w3) = results[0], results[3]
+    assert 0 < whole["clip_fraction"] < 1
+    for key in ("loss", "pg_loss", "entropy", "kl", "kl_loss", "clip_fraction", "approx_kl", "grad_norm"):
+        assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    # Adam's first step is about lr * sign(grad): where a gradient is ~0, summing it in parts can
+    # move the weight differently (2 elements of 16k here), so almost every weight must agree.
+    for name, value in w0.items():
+        diff = np.abs(w3[name] - value)
+        assert diff.max() <= 2e-2 and (diff > 1e-6).mean() < 1e-3, (name, diff.max(), (diff > 1e-6).sum())

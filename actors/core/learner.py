@@ -44,6 +44,9 @@ from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 from pipelines.data.preferences import pad_id
 
 EVAL_CHUNK = 64  # pairs per forward pass when a learner scores a whole evaluation set
+# A policy update's metrics that are sums over its rows (each divided by the whole minibatch's
+# counts), so micro-batches' values add up; the others are means over a micro-batch's tokens.
+ADDITIVE = frozenset({"loss", "pg_loss", "entropy", "kl", "kl_loss"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class LearnerSpec:
     zero_stage: int = 0
     bf16: bool = False
     gradient_checkpointing: bool = False
+    micro_batch_size: int = 0  # most rows per forward/backward of a policy update (0: a rank's whole share)
     sampling: SamplingSpec = SamplingSpec()  # how the rollout samples: the policy is that distribution
     seed: int = 0
     use_gpu: bool = False
@@ -177,9 +181,36 @@ class Learner:
             return None  # every sample unscored (same on every rank): no loss, no optimizer step
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
         normalizer = Normalizers.of(whole_mask, self.world_size)
-        mine = self._my_rows(np.arange(len(batch["response_ids"])))
+        rows = len(batch["response_ids"])
+        mine = self._my_rows(np.arange(rows))
+        # Micro-batches: as many on every rank (ZeRO-2/3 reduce the gradients at each backward),
+        # each loss divided by the whole minibatch's counts, so their gradients add up to the
+        # minibatch's; DeepSpeed steps once, after the last.
+        largest_share = -(-rows // self.world_size)
+        parts = np.array_split(mine, -(-largest_share // (self.spec.micro_batch_size or largest_share)))
+        tokens = [float(whole_mask[part].sum()) for part in parts]
+        local: dict[str, float] = {}
+        non_finite = False
+        for i, part in enumerate(parts):
+            # A rank with fewer rows than micro-batches runs a row with no loss (a zero gradient) for each missing one.
+            mask = whole_mask[part] if len(part) else torch.zeros_like(whole_mask[:1])
+            total, metrics = self._policy_loss(batch, part if len(part) else np.arange(1), mask, spec, normalizer)
+            share = tokens[i] / max(sum(tokens), 1.0)  # the per-token means (clip fraction, ...) are weighted by tokens
+            for key, value in metrics.items():
+                local[key] = local.get(key, 0.0) + (value if key in ADDITIVE else share * value)
+            non_finite |= not torch.isfinite(total)
+            if i < len(parts) - 1:
+                self.engine.set_gradient_accumulation_boundary(False)
+                self.engine.backward(total)
+                self.engine.set_gradient_accumulation_boundary(True)
+        return self._update(total, local, non_finite)
+
+    def _policy_loss(
+        self, batch: Mapping[str, np.ndarray], mine: np.ndarray, mask: torch.Tensor, spec: LossSpec, normalizer: Normalizers
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy loss of rows `mine` of a minibatch (their `mask`), divided by the whole
+        minibatch's `normalizer`, and its metrics."""
         inputs = sequence_tensors(batch, mine)
-        mask = whole_mask[mine]
         logp, full_logp, entropy_per_token = self._policy(inputs, entropy_grad=spec.entropy_coef != 0)  # [n, T] each
         behaviour = torch.from_numpy(batch["behaviour_logprobs"][mine])
         advantages = torch.from_numpy(batch["advantages"][mine]).float()
@@ -211,7 +242,7 @@ class Learner:
                 kl = masked_aggregate(kl_penalty(full_logp, ref, "k3"), mask, "token-mean", normalizer.tokens)
         if spec.poisoned:
             total = total * float("nan")
-        local = {
+        metrics = {
             "loss": total.item(),
             "pg_loss": pg_loss.item(),
             "entropy": entropy.item(),
@@ -221,16 +252,18 @@ class Learner:
             "approx_kl": metrics["approx_kl"],
             **off_policy,
         }
-        return self._update(total, local)
+        return total, metrics
 
-    def _update(self, total: torch.Tensor, local: dict[str, float]) -> dict[str, float]:
-        """One optimizer step on this rank's share `total` of a minibatch's loss; `local` are the
-        rank's metrics, each world_size x its share of the minibatch's value (so their mean over
-        ranks is it)."""
+    def _update(self, total: torch.Tensor, local: dict[str, float], non_finite: bool = False) -> dict[str, float]:
+        """One optimizer step on this rank's share `total` of a minibatch's loss (the last
+        micro-batch's, after the others' backward: `non_finite` when any of theirs was); `local`
+        are the rank's metrics, each world_size x its share of the minibatch's value (so their mean
+        over ranks is it)."""
         skipped = dict.fromkeys([*local, "grad_norm", "lr"], float("nan")) | {"update_success": 0.0}
         # One small all-reduce per minibatch (beside the gradients'): the metrics, and whether any
         # rank's loss is non-finite, which would poison the weights: then every rank skips the update.
-        summed = self._sum_over_ranks(local | {"non_finite_loss": float(not torch.isfinite(total))})
+        non_finite = non_finite or not torch.isfinite(total)
+        summed = self._sum_over_ranks(local | {"non_finite_loss": float(non_finite)})
         if summed.pop("non_finite_loss") > 0:
             self.engine.zero_grad()
             return skipped

@@ -196,6 +196,7 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
         zero_stage=cfg.resource.zero_stage,
         bf16=cfg.model.dtype == "bfloat16",
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        micro_batch_size=cfg.training.micro_batch_size,
         sampling=sampling_spec(cfg),
         seed=cfg.seed,
         use_gpu=cfg.resource.use_gpu,
