@@ -11,9 +11,10 @@ the step, and the generation throughput. Compare ratios, not absolute times: the
 shared and noisy.
 
 Then, per run, the learner's achieved FLOP/s: the FLOPs the policy loss needs (forward and
-backward, 6 x the decoder's parameters x the real prompt + response tokens, 6 x hidden x vocab
-for the LM head at response positions only, and causal attention 6 x layers x hidden x length^2
-per sequence; padding and logits nobody reads do not count) over the learn phase's seconds,
+backward, 6 x the decoder's parameters x the real tokens, each distinct prompt counted once
+(a group's samples share it), 6 x hidden x vocab for the LM head at response positions only, and
+causal attention, 6 x layers x hidden x the keys each token attends to; padding, repeated prompts
+and logits nobody reads do not count) over the learn phase's seconds,
 beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape with the
 learner's threads, measured in the same run. Their ratio is how close the learner is to the
 machine's limit.
@@ -72,10 +73,12 @@ class ModelShape:
 
     def needed_flops(self, row: dict, epochs: int) -> float:
         """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
-        tokens = row["prompt_tokens"] + row["response_tokens"]
-        length = tokens / row["samples"]  # mean sequence length (attention is counted at it)
-        attention = 6 * self.layers * self.hidden * length**2 * row["samples"]
-        return epochs * (6 * self.body * tokens + 6 * self.head * row["response_tokens"] + attention)
+        prompts, responses = row["prompt_tokens_distinct"], row["response_tokens"]
+        length = (row["prompt_tokens"] + responses) / row["samples"]  # mean sequence length
+        prompt_length = row["prompt_tokens"] / row["samples"]
+        # causal attention: each prompt token over its prompt, each response token over its whole sequence
+        attention = 6 * self.layers * self.hidden * (prompts * prompt_length / 2 + responses * length)
+        return epochs * (6 * self.body * (prompts + responses) + 6 * self.head * responses + attention)
 
 
 def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> float:

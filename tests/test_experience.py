@@ -59,6 +59,7 @@ def test_prepare_experience_gives_group_advantages_and_step_stats():
             "response_length": 1.5,
             "response_tokens": 6,
             "prompt_tokens": 4,  # one token per prompt
+            "prompt_tokens_distinct": 2,  # two prompts, each shared by two samples
             "truncated_fraction": 0.25,
             "reward_all_zero": False,
             "reward_unscored": 0,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.core.modeling import response_logits, sequence_tensors, takes_logits_to_keep
+from actors.core.modeling import response_logits, sequence_tensors, shares_prompts, takes_logits_to_keep
 from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 
 
@@ -77,3 +77,39 @@ def test_an_entropy_without_a_graph_has_the_same_value_and_leaves_the_gradients_
     (grad_with,) = torch.autograd.grad(logp.sum() + 0.0 * entropy.sum(), logits, retain_graph=True)
     (grad_without,) = torch.autograd.grad(logp0.sum(), logits)
     torch.testing.assert_close(grad_without, grad_with, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("widths", [(4, 3), (4, 1)])
+def test_a_prompt_a_group_shares_runs_once_with_the_same_logits_and_gradients(model, widths):
+    """Six samples of two prompts (one left-padded), interleaved, responses of 3 tokens and of 1:
+    the prompt pass runs over the 2 distinct prompts and the response pass attends to their
+    copied keys and values; logits and every parameter's gradient equal one full pass's."""
+    P, T = widths
+    rng = np.random.default_rng(1)
+    prompt_ids, prompt_mask = rng.integers(1, 50, (2, P)), np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    rows = np.array([0, 1, 0, 1, 1, 0])
+    response_mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])[:, :T]
+    batch = {
+        "prompt_ids": prompt_ids[rows],
+        "prompt_mask": prompt_mask[rows],
+        "response_ids": rng.integers(1, 50, (6, T)),
+        "response_mask": response_mask,
+    }
+    inputs = sequence_tensors(batch, np.arange(6))
+    weights = torch.from_numpy(rng.standard_normal((6, T, 50))).float()
+    passes = []  # the token shapes the model runs on, recorded by a hook that changes nothing
+    hook = model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape)))
+    try:
+        assert shares_prompts(model)
+        shared = response_logits(model, inputs, 1.0)
+    finally:
+        hook.remove()
+    assert passes == ([(2, P), (6, T)] if T > 1 else [(2, P)])
+    full = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    expected = full.logits[:, P - 1 : P - 1 + T]
+    torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-5)
+    params = [p for p in model.parameters()]
+    got = torch.autograd.grad((shared * weights).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((expected * weights).sum(), params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -62,14 +62,57 @@ def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) 
     """
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
-    predicting = torch.arange(P - 1, P - 1 + T)  # position P-1 predicts response token 0
-    kwargs = {"logits_to_keep": predicting} if takes_logits_to_keep(model) else {}
-    out = model(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], **kwargs
-    )
-    logits = out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]  # [n, T, V]
+    logits = _over_shared_prompts(model, inputs, P, T) if shares_prompts(model) else None
+    if logits is None:
+        predicting = torch.arange(P - 1, P - 1 + T)  # position P-1 predicts response token 0
+        kwargs = {"logits_to_keep": predicting} if takes_logits_to_keep(model) else {}
+        ids, mask, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
+        logits = out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]  # [n, T, V]
     logits = logits.float()  # a no-op for float32 weights; bf16 logits are upcast once, here
     return logits if temperature == 1.0 else logits / temperature
+
+
+def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int) -> torch.Tensor | None:
+    """`response_logits` with each distinct prompt run once: a group's samples share their prompt,
+    so the prompt pass runs over the distinct prompts (its last position predicts response token
+    0), and its keys and values, copied to every row of the prompt, are the cache the responses
+    attend to in a second pass. Gradients reach the prompt pass through the copies, summed. The
+    same logits as one pass over prompt + response, up to float rounding (tests/test_modeling.py);
+    None when no two rows share a prompt."""
+    prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
+    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+    if len(distinct) == len(prompts):
+        return None
+    ids, mask = distinct[:, :P], distinct[:, P:]
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    head = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    first = head.logits[row_prompt]  # [n, 1, V]: the last prompt position predicts response token 0
+    if T == 1:
+        return first
+    cache = head.past_key_values
+    cache.reorder_cache(row_prompt)  # [distinct, ...] -> [n, ...], each row its prompt's
+    rest = model(
+        input_ids=inputs["input_ids"][:, P:],
+        attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"][:, P:],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=torch.arange(T - 1),  # response position t predicts response token t + 1
+    )
+    return torch.cat([first, rest.logits], dim=1)  # [n, T, V]
+
+
+def shares_prompts(model) -> bool:
+    """Whether `model` runs each distinct prompt of a batch once (`_over_shared_prompts`): a Hugging
+    Face causal LM that takes `logits_to_keep` and a key-value cache, without gradient
+    checkpointing (which turns the cache off)."""
+    module = getattr(model, "module", model)
+    return (
+        takes_logits_to_keep(model)
+        and "past_key_values" in _forward_parameters(type(module))
+        and not getattr(module, "is_gradient_checkpointing", False)
+    )
 
 
 def takes_logits_to_keep(model) -> bool:
@@ -77,9 +120,13 @@ def takes_logits_to_keep(model) -> bool:
     return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))
 
 
-@functools.cache
 def _forward_takes_logits_to_keep(cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return "logits_to_keep" in _forward_parameters(cls)
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 COMPLETIONS = ("chosen", "rejected")  # the two sides of a preference pair

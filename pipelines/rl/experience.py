@@ -48,6 +48,8 @@ def prepare_experience(
         "response_length": float(lengths.mean()),
         "response_tokens": int(lengths.sum()),
         "prompt_tokens": int(batch["prompt_mask"].sum()),
+        # each distinct prompt once: what a learner running a group's shared prompt once computes
+        "prompt_tokens_distinct": int(batch["prompt_mask"][np.unique(batch["prompt_index"], return_index=True)[1]].sum()),
         "truncated_fraction": float(1.0 - batch["finished"].mean()),
         "reward_all_zero": bool(rewards.size and np.all(rewards <= reward_floor + 1e-6)),
     }
