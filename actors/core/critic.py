@@ -41,7 +41,7 @@ class Critic:
     def __init__(self, model_dir: str, lr: float = 3e-5, grad_clip: float = 1.0, clip: float = 0.5, seed: int = 0):
         torch.manual_seed(seed)
         self.model = ValueModel(model_dir)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0, fused=True)
         self.grad_clip, self.clip = grad_clip, clip
         self.steps_done = 0
 
