@@ -85,6 +85,11 @@ class BroadcastSync(WeightSync):
         self.layout = ray.get(opened)[0]
         ray.get(joined)
 
+    def push(self, version: int, wait: bool = True) -> None:
+        """Always waited for: a broadcast not waited for, to an engine that died meanwhile, would
+        hold learner rank 0 in the collective until its timeout, and every call queued behind it."""
+        super().push(version, wait=True)
+
     def _send(self, version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
         """Learner rank 0 broadcasts its weights; every engine receives and loads them."""
         sends = [(None, ref) for ref in self.learners.run_async("broadcast_weights")]

@@ -5,6 +5,7 @@ the learners train on step t's, the loss corrects for the one update the samples
 import json
 import os
 import signal
+import statistics
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,12 @@ def test_sampling_one_step_ahead_learns_as_the_synchronous_run(local_ray, tiny_m
     ahead, ahead_lines = _run(tmp_path, "ahead", *common, "algo.off_policy_steps=1")
     assert [m["staleness"] for m in sync_lines] == [0] * STEPS
     assert [m["staleness"] for m in ahead_lines] == [0] + [1] * (STEPS - 1)  # step 0's batch has no update before it
-    assert all(0.0 <= m["rollout_overlap"] <= 1.0 for m in ahead_lines)
-    assert all(m["behaviour_weight_mean"] > 0 and 0 <= m["behaviour_weight_capped"] <= 1 for m in ahead_lines)
+    # Sampling ahead hides most of the engine's time behind the step before (0.8 measured);
+    # synchronously none of it is (the driver waits for the whole generation).
+    assert statistics.median(m["rollout_overlap"] for m in ahead_lines[1:]) > 0.3
+    assert max(m["rollout_overlap"] for m in sync_lines) < 0.1
+    # the samples lag one update: importance weights near 1, all finite, few capped
+    assert all(0.5 < m["behaviour_weight_mean"] < 2 and 0 <= m["behaviour_weight_capped"] < 0.5 for m in ahead_lines)
     assert "behaviour_weight_mean" not in sync_lines[0]  # the synchronous loss is untouched
     assert ahead["eval_accuracy_end"] - ahead["eval_accuracy_start"] >= MIN_GAIN, ahead
     assert ahead["eval_accuracy_end"] >= sync["eval_accuracy_end"] - MAX_BEHIND, (sync, ahead)

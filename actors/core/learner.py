@@ -165,12 +165,22 @@ class Learner:
             return minibatches
         out = []
         for batch in minibatches:
-            mine = self._my_rows(np.arange(len(batch["response_ids"])))
-            logp, _, _ = self._policy(sequence_tensors(batch, mine))
             proximal = np.zeros(batch["behaviour_logprobs"].shape, dtype=np.float32)
-            proximal[mine] = logp.numpy()
+            for part in self._micro_batches(len(batch["response_ids"])):
+                # an empty pass runs a row too: under ZeRO-3 every forward pass gathers the weights from all ranks
+                logp = self._policy(sequence_tensors(batch, part if len(part) else np.arange(1)))[0]
+                if len(part):
+                    proximal[part] = logp.numpy()
             out.append({**batch, "proximal_logprobs": proximal})
         return out
+
+    def _micro_batches(self, rows: int) -> list[np.ndarray]:
+        """This rank's rows of a minibatch of `rows`, cut into `micro_batch_size` passes, as many on
+        every rank (ZeRO-2/3 reduce the gradients at each backward; a rank short of rows gets an
+        empty pass)."""
+        largest_share = -(-rows // self.world_size)
+        count = -(-largest_share // (self.spec.micro_batch_size or largest_share))
+        return np.array_split(self._my_rows(np.arange(rows)), count)
 
     def _steps_done(self, results: list[dict[str, float]]) -> dict[str, float]:
         """A step's metrics: the mean over its minibatches' updates (skipped ones report none)."""
@@ -186,13 +196,9 @@ class Learner:
             return None  # every sample unscored (same on every rank): no loss, no optimizer step
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
         normalizer = Normalizers.of(whole_mask, self.world_size)
-        rows = len(batch["response_ids"])
-        mine = self._my_rows(np.arange(rows))
-        # Micro-batches: as many on every rank (ZeRO-2/3 reduce the gradients at each backward),
-        # each loss divided by the whole minibatch's counts, so their gradients add up to the
-        # minibatch's; DeepSpeed steps once, after the last.
-        largest_share = -(-rows // self.world_size)
-        parts = np.array_split(mine, -(-largest_share // (self.spec.micro_batch_size or largest_share)))
+        # Micro-batches, each loss divided by the whole minibatch's counts, so their gradients add
+        # up to the minibatch's; DeepSpeed steps once, after the last.
+        parts = self._micro_batches(len(batch["response_ids"]))
         tokens = [float(whole_mask[part].sum()) for part in parts]
         local: dict[str, float] = {}
         non_finite = False
@@ -208,7 +214,7 @@ class Learner:
                 self.engine.set_gradient_accumulation_boundary(False)
                 self.engine.backward(total)
                 self.engine.set_gradient_accumulation_boundary(True)
-        return self._update(total, local, non_finite)
+        return self._update(total, local, non_finite, passes=len(parts))
 
     def _policy_loss(
         self, batch: Mapping[str, np.ndarray], mine: np.ndarray, mask: torch.Tensor, spec: LossSpec, normalizer: Normalizers
@@ -259,9 +265,11 @@ class Learner:
         }
         return total, metrics
 
-    def _update(self, total: torch.Tensor, local: dict[str, float], non_finite: bool = False) -> dict[str, float]:
-        """One optimizer step on this rank's share `total` of a minibatch's loss (the last
-        micro-batch's, after the others' backward: `non_finite` when any of theirs was); `local`
+    def _update(
+        self, total: torch.Tensor, local: dict[str, float], non_finite: bool = False, passes: int = 1
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share `total` of a minibatch's loss (the last of
+        `passes` micro-batches', after the others' backward: `non_finite` when any of theirs was); `local`
         are the rank's metrics, each world_size x its share of the minibatch's value (so their mean
         over ranks is it)."""
         skipped = dict.fromkeys([*local, "grad_norm", "lr"], float("nan")) | {"update_success": 0.0}
@@ -270,6 +278,12 @@ class Learner:
         non_finite = non_finite or not torch.isfinite(total)
         summed = self._sum_over_ranks(local | {"non_finite_loss": float(non_finite)})
         if summed.pop("non_finite_loss") > 0:
+            if passes > 1 and self.spec.zero_stage >= 2:
+                raise FloatingPointError(
+                    f"a non-finite loss in an update cut into micro-batches under ZeRO-{self.spec.zero_stage}: the "
+                    "earlier micro-batches' gradients are already reduced into DeepSpeed's partitions and cannot be "
+                    "dropped, so the update cannot be skipped; lower training.lr, or set training.micro_batch_size=0"
+                )
             self.engine.zero_grad()
             return skipped
         lr = self._set_lr()

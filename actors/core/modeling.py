@@ -106,12 +106,16 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
 def shares_prompts(model) -> bool:
     """Whether `model` runs each distinct prompt of a batch once (`_over_shared_prompts`): a Hugging
     Face causal LM that takes `logits_to_keep` and a key-value cache, without gradient
-    checkpointing (which turns the cache off)."""
+    checkpointing (which turns the cache off), and not under ZeRO-3, where every forward pass
+    gathers the weights from all ranks: ranks whose rows share prompts differently would make
+    different numbers of passes and wait for each other forever."""
     module = getattr(model, "module", model)
+    partitioned = getattr(model, "zero_optimization_partition_weights", None)
     return (
         takes_logits_to_keep(model)
         and "past_key_values" in _forward_parameters(type(module))
         and not getattr(module, "is_gradient_checkpointing", False)
+        and not (partitioned is not None and partitioned())
     )
 
 
