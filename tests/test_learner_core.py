@@ -283,3 +283,13 @@ def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):
     for name, value in w0.items():
         diff = np.abs(w3[name] - value)
         assert diff.max() <= 2e-2 and (diff > 1e-6).mean() < 1e-3, (name, diff.max(), (diff > 1e-6).sum())
+
+
+def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
+    """ZeRO-3 gathers the weights at every forward pass, so every rank must make as many: a
+    group's prompt is not run apart there (ranks could share differently), elsewhere it is."""
+    from actors.core.modeling import shares_prompts
+
+    sharded = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), master_port=29611)  # the module's world
+    assert shares_prompts(learner.engine) and not shares_prompts(sharded.engine)
+    assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3
