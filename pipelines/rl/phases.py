@@ -100,9 +100,8 @@ def _launch_share(roles: Roles, cfg: RaypoConfig, generation: Generation, i: int
 
 def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int) -> tuple[ray.ObjectRef, dict]:
     """The step's batch (a ref): its generation launched ahead (`Roles.ahead`), else launched now.
-    Also returns `weights_version` (the
-    oldest weights any share was sampled with) and `time_generate_busy` (the slowest engine's
-    seconds on it).
+    Also returns `weights_version` (the oldest weights any share was sampled with) and
+    `time_generate_busy` (the slowest engine's seconds on it).
 
     An engine that Ray restarted meanwhile (its process died) gets the current weights, and its
     share is generated again, with the same seeds: the batch is the one it would have been."""
