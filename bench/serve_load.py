@@ -1,18 +1,22 @@
-"""Bounded HTTP load against the raypo Serve app and a plain `vllm serve`, side by side.
+"""Bounded HTTP load against `raypo serve` and a plain `vllm serve`, side by side.
 
-    .venv/bin/python bench/serve_load.py --checkpoint runs/grpo_tiny/final [--requests 400 --concurrency 16]
+    .venv/bin/python bench/serve_load.py --checkpoint runs/grpo_tiny/final [--requests 400 --concurrency 16 --rounds 3]
 
-Both serve the same checkpoint on loopback. Each gets the same fixed number of completion
-requests (short arithmetic prompts, greedy, 4 tokens) from `--concurrency` clients; the
-table shows QPS and p50/p99 latency, and the ratio raypo / vLLM. The seeds' targets (p99 <
-500 ms, >= 200 QPS per GPU) are for GPUs; on a CPU machine read the ratio. Loops are
-bounded by request count and a deadline, and only 127.0.0.1 is ever contacted.
+Both serve the same checkpoint on loopback, each started as a user starts it (`raypo serve`,
+`python -m vllm.entrypoints.openai.api_server`) and stopped by its process group. Each gets a
+warm-up load, then `--rounds` loads of the same fixed number of completion requests (short
+arithmetic prompts, greedy, 4 tokens) from `--concurrency` clients; the table shows each
+server's median-round QPS and the p50/p99 latency over every measured request, and the ratio
+raypo / vLLM. The seeds' targets (p99 < 500 ms, >= 200 QPS per GPU) are for GPUs; on a CPU
+machine read the ratio. Loops are bounded by request count and a deadline, and only 127.0.0.1
+is ever contacted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -23,6 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = [f"{a}+{b}=" for a in range(10, 30) for b in range(10, 30)]
 
@@ -77,19 +83,25 @@ async def load(base: str, model: str, requests: int, concurrency: int, deadline_
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     wall = time.monotonic() - started
-    latencies.sort()
-    p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")  # noqa: E731
-    return {
-        "ok": len(latencies),
-        "errors": errors,
-        "qps": len(latencies) / wall,
-        "p50_ms": p(0.50),
-        "p99_ms": p(0.99),
-        "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"),
-    }
+    return {"ok": len(latencies), "errors": errors, "qps": len(latencies) / wall, "latencies": latencies}
 
 
-def start_vllm(checkpoint: str, port: int) -> subprocess.Popen:
+def percentile_ms(latencies: list[float], q: float) -> float:
+    """The `q` quantile of sorted `latencies` (seconds), in milliseconds."""
+    return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")
+
+
+def group(own_session: bool) -> dict:
+    """Popen arguments that give a server its own process group (stopped by `killpg`), in this
+    process's session or in a new one. Linux's autogroup scheduler shares the CPUs between
+    sessions before it shares them between processes: a server in its own session gets half the
+    cores against the load generator, however little the generator needs, and Ray's workers run
+    at nice 15 against Ray's own nice-0 daemons in that half. On this 2-CPU machine that halved
+    raypo's QPS, and cut vLLM's less (its processes run at nice 0)."""
+    return {"start_new_session": True} if own_session else {"process_group": 0}
+
+
+def start_vllm(checkpoint: str, port: int, own_session: bool) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     # `vllm serve` is this module; the `vllm` script itself fails under the vllm-cpu
     # distribution (it looks up package metadata named "vllm").
@@ -112,36 +124,56 @@ def start_vllm(checkpoint: str, port: int) -> subprocess.Popen:
         "--enforce-eager",
     ]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"raypo-bench-vllm-{port}.log", "w")  # read it if vLLM fails
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **group(own_session))
 
 
-def run_raypo(checkpoint: str, port: int, args) -> dict:
-    import ray
-    from ray import serve
+def start_raypo_proxy(checkpoint: str, port: int, own_session: bool) -> subprocess.Popen:
+    return start_raypo(checkpoint, port, own_session, "--proxy")
 
-    from serve.app import build_app
 
-    ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
+def start_raypo(checkpoint: str, port: int, own_session: bool, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as on a fresh machine
+    cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--checkpoint", checkpoint, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--max-model-len", "128", *extra]
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"raypo-bench-serve-{port}.log", "w")  # read it if it fails
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, **group(own_session))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (`raypo serve` then takes Serve and its Ray down), then the whole process group."""
+    proc.send_signal(signal.SIGTERM)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"checkpoint": checkpoint, "max_model_len": 128}), name="raypo", route_prefix="/")
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def measure(start, checkpoint: str, args) -> dict:
+    """Start a server, warm it up, run `args.rounds` loads; the median round's QPS and the
+    latency percentiles over every measured request."""
+    port = free_port()
+    proc = start(checkpoint, port, args.own_session)
+    try:
         base = f"http://127.0.0.1:{port}"
         asyncio.run(wait_ready(base, "raypo-policy", 300))
-        return asyncio.run(load(base, "raypo-policy", args.requests, args.concurrency, args.deadline))
+        asyncio.run(load(base, "raypo-policy", args.warmup, args.concurrency, args.deadline))
+        rounds = [
+            asyncio.run(load(base, "raypo-policy", args.requests, args.concurrency, args.deadline)) for _ in range(args.rounds)
+        ]
     finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def run_vllm(checkpoint: str, port: int, args) -> dict:
-    proc = start_vllm(checkpoint, port)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_ready(base, "raypo-policy", 300))
-        return asyncio.run(load(base, "raypo-policy", args.requests, args.concurrency, args.deadline))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc)
+    latencies = sorted(x for r in rounds for x in r["latencies"])
+    return {
+        "ok": sum(r["ok"] for r in rounds),
+        "errors": sum(r["errors"] for r in rounds),
+        "qps": statistics.median(r["qps"] for r in rounds),
+        "qps_rounds": [r["qps"] for r in rounds],
+        "p50_ms": percentile_ms(latencies, 0.50),
+        "p99_ms": percentile_ms(latencies, 0.99),
+    }
 
 
 def main() -> None:
@@ -152,22 +184,32 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="measured loads per server (the table shows the median QPS)")
+    parser.add_argument("--warmup", type=int, default=64, help="requests sent before the measured rounds")
+    parser.add_argument("--with-proxy", action="store_true", help="also measure `raypo serve --proxy` (Serve's proxy actor)")
+    parser.add_argument("--own-session", action="store_true", help="start each server in a session of its own (see `group`)")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds each load may run at most")
     args = parser.parse_args()
     checkpoint = str(Path(args.checkpoint).resolve())
-    results = {
-        "raypo (Ray Serve)": run_raypo(checkpoint, free_port(), args),
-        "vllm serve": run_vllm(checkpoint, free_port(), args),
-    }
-    print(f"\n{args.requests} completions, {args.concurrency} concurrent clients, loopback")
-    print(f"{'server':<20}{'ok':>6}{'errors':>8}{'QPS':>9}{'p50 ms':>10}{'p99 ms':>10}")
-    for name, r in results.items():
-        print(f"{name:<20}{r['ok']:>6}{r['errors']:>8}{r['qps']:>9.1f}{r['p50_ms']:>10.1f}{r['p99_ms']:>10.1f}")
-    raypo, vllm = results.values()
+    results = {"raypo serve": measure(start_raypo, checkpoint, args)}
+    if args.with_proxy:
+        results["raypo --proxy"] = measure(start_raypo_proxy, checkpoint, args)
+    results["vllm serve"] = measure(start_vllm, checkpoint, args)
     print(
-        f"\nraypo / vllm: QPS {raypo['qps'] / vllm['qps']:.2f}x, p50 {raypo['p50_ms'] / vllm['p50_ms']:.2f}x, "
-        f"p99 {raypo['p99_ms'] / vllm['p99_ms']:.2f}x"
+        f"\n{args.rounds} rounds of {args.requests} completions after {args.warmup} to warm up, "
+        f"{args.concurrency} concurrent clients, loopback, servers in {'their own' if args.own_session else 'this'} session"
     )
+    print(f"\n{'server':<14}{'ok':>6}{'errors':>8}{'QPS':>8}{'QPS by round':>22}{'p50 ms':>9}{'p99 ms':>9}")
+    for name, r in results.items():
+        rounds = " ".join(f"{q:.0f}" for q in r["qps_rounds"])
+        print(f"{name:<14}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>22}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
+    vllm = results["vllm serve"]
+    for name, r in results.items():
+        if name != "vllm serve":
+            print(
+                f"{name} / vllm serve: QPS {r['qps'] / vllm['qps']:.2f}x, p50 {r['p50_ms'] / vllm['p50_ms']:.2f}x, "
+                f"p99 {r['p99_ms'] / vllm['p99_ms']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -150,10 +150,9 @@ def _local_checkpoint(location: str) -> Path:
 def _serve_forever(args: argparse.Namespace) -> int:
     """Start the app and serve until SIGINT/SIGTERM; then take it down and exit 130 (0 on SIGTERM)."""
     import ray
-    from ray import serve
 
     from pipelines.cluster import connect_ray
-    from serve.app import ServeArgs, build_app, ensure_fits
+    from serve.app import ServeArgs, build_app, direct_ingress_env, ensure_fits, start_http
 
     if not args.checkpoint:
         raise SystemExit("raypo serve needs --checkpoint (a model directory, e.g. runs/<name>/final)")
@@ -179,7 +178,9 @@ def _serve_forever(args: argparse.Namespace) -> int:
     own_the_stop_signals()
     try:
         try:
-            local_ray = connect_ray(args.address, include_dashboard=False)
+            local_ray = connect_ray(
+                args.address, include_dashboard=False, local_env=None if args.proxy else direct_ingress_env(args.port)
+            )
         except ConnectionError as err:
             print(f"raypo serve: error: {err}", file=sys.stderr)
             return 1
@@ -189,8 +190,15 @@ def _serve_forever(args: argparse.Namespace) -> int:
             print(f"raypo serve: error: {err}", file=sys.stderr)
             ray.shutdown()
             return 2
+        from ray import serve  # after connect_ray: its Serve settings are read when ray.serve is imported
+
         print(f"starting the engine for {serve_args.checkpoint} (about a minute on CPU)...", flush=True)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            start_http(args.host, args.port, direct=local_ray and not args.proxy)
+        except OSError as err:
+            print(f"raypo serve: error: {err}", file=sys.stderr)
+            ray.shutdown()
+            return 2
         serve.run(build_app(serve_args), name=args.app, route_prefix="/")
         print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
         print("press Ctrl-C to stop", flush=True)
@@ -326,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", default="raypo-policy", help="the model name clients pass")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--proxy",
+        action="store_true",
+        help="route requests through Serve's proxy actor (Ray's default) instead of the ingress replica listening on "
+        "--port itself (direct ingress, the default on a Ray that raypo serve starts)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     p.set_defaults(func=cmd_serve)

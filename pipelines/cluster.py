@@ -246,14 +246,17 @@ def format_nodes(nodes: list[dict]) -> str:
     )
 
 
-def connect_ray(address: str | None = None, join_only: bool = False, **init_kwargs) -> bool:
+def connect_ray(
+    address: str | None = None, join_only: bool = False, local_env: dict[str, str] | None = None, **init_kwargs
+) -> bool:
     """Join the Ray cluster at `address` (or RAY_ADDRESS); without one, the cluster a `ray start`
     on this machine left its address for, if it answers; else start a local Ray sized from this
     machine (`join_only`: raise instead). Returns whether it started a local Ray.
 
     A GCS address where nothing answers is refused at once (ConnectionError naming it), where
     `ray.init` would retry it for minutes; a `ray start` head that died without `ray stop` leaves
-    its address file behind, and a run then starts its own Ray, saying so.
+    its address file behind, and a run then starts its own Ray, saying so. `local_env` is set in
+    this process's environment just before a local Ray starts, so every Ray process inherits it.
     """
     import ray  # here: `raypo cluster` runs its commands through the ray CLI and needs no Ray in this process
     from ray._common.utils import get_ray_address_file
@@ -284,6 +287,7 @@ def connect_ray(address: str | None = None, join_only: bool = False, **init_kwar
     if address in (None, "local"):
         if join_only:
             raise ConnectionError("no running Ray cluster: start one (`ray start --head`, `raypo cluster up`) or pass --address")
+        os.environ.update(local_env or {})
         ray.init(address="local", **init_kwargs)
         return True
     init_kwargs.pop("include_dashboard", None)  # a joined cluster has its own

@@ -72,6 +72,58 @@ def chat_messages_problem(body) -> str | None:
     return None
 
 
+OPEN_PATHS = ("/health", "/-/healthz", "/-/routes")  # answered without the key
+
+
+class RequestChecks:
+    """The API key check and the chat schema check, as a plain ASGI middleware: Starlette's
+    `@app.middleware("http")` would run every request through a task group and memory streams.
+
+    A chat request's body is read here and handed on unchanged (the router reads it again)."""
+
+    def __init__(self, app, key_file: str | None):
+        self.app = app
+        self.key_file = key_file
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        expected = read_api_key(self.key_file)
+        if expected and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {expected}".encode()):
+                error = openai_error(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_request_error")
+                return await error(scope, receive, send)
+        if scope["method"] == "POST" and scope["path"] == "/v1/chat/completions":
+            # Checked here, before the engine: it would otherwise answer a message with no content.
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            try:
+                problem = chat_messages_problem(json.loads(body))
+            except ValueError:
+                problem = None  # not JSON: the router's own 400 names that
+            if problem:
+                return await openai_error(400, problem, "invalid_request_error")(scope, receive, send)
+            receive = _replay(body, receive)
+        return await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI `receive` that gives `body` once, then what `receive` gives (a disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
 def make_fastapi_app(key_file: str | None):
     """Ray's router app (its middleware: errors, CORS, metrics, request ids) plus the key check."""
     from starlette.exceptions import HTTPException
@@ -82,23 +134,7 @@ def make_fastapi_app(key_file: str | None):
     async def openai_style_http_error(request, exc):  # e.g. an unknown model: OpenAI's body, not FastAPI's
         return openai_error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    @app.middleware("http")
-    async def require_api_key(request, call_next):
-        expected = read_api_key(key_file)
-        if expected and request.url.path not in ("/health", "/-/healthz", "/-/routes"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
-                return openai_error(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_request_error")
-        if request.method == "POST" and request.url.path == "/v1/chat/completions":
-            # Checked here, before the engine: it would otherwise answer a message with no content.
-            try:
-                problem = chat_messages_problem(json.loads(await request.body()))
-            except ValueError:
-                problem = None  # not JSON: the router's own 400 names that
-            if problem:
-                return openai_error(400, problem, "invalid_request_error")
-        return await call_next(request)
-
+    app.add_middleware(RequestChecks, key_file=key_file)
     return app
 
 

@@ -35,6 +35,7 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.rl.recovery",
     "pipelines.rl.trainer",
     "pipelines.rl.tune",
+    "serve.app",
     "serve.ingress",
 ]
 

@@ -12,7 +12,7 @@ import pytest
 import ray
 from pydantic import ValidationError
 
-from serve.app import ServeArgs, build_app
+from serve.app import ServeArgs, build_app, direct_ingress_env, start_http
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,14 +52,24 @@ def server(trained_checkpoint):
     from ray import serve
 
     port = _free_port()
-    os.environ["RAYPO_API_KEY"] = API_KEY  # read by the ingress replica, which inherits it from this process
-    ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)  # sized from this machine
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(SERVER_ARGS | {"checkpoint": trained_checkpoint}), name="raypo", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    del os.environ["RAYPO_API_KEY"]
+    # As `raypo serve` starts it: direct ingress on `port` (the ingress replica inherits the
+    # settings and the key from this process's environment).
+    env = direct_ingress_env(port) | {"RAYPO_API_KEY": API_KEY}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)  # sized from this machine
+        start_http("127.0.0.1", port, direct=True)
+        serve.run(build_app(SERVER_ARGS | {"checkpoint": trained_checkpoint}), name="raypo", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for name, value in saved.items():  # later modules start Ray with the usual settings
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _request(url, body=None, key=API_KEY, raw=None, decode=json.loads, timeout=60):
@@ -88,6 +98,29 @@ def test_openai_client_gets_completions_and_chat_streamed_and_not(server):
         model="raypo-policy", messages=[{"role": "user", "content": "12+7="}], max_tokens=5, temperature=0, stream=True
     )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
+
+
+def test_the_ingress_replica_listens_on_the_port_and_the_model_runs_in_the_engine_core(server):
+    """Direct ingress: the port belongs to the ingress replica, not to Serve's proxy actor. The
+    engine (serve/engine.py) runs the model inside vLLM's engine core: no separate worker process."""
+    import psutil
+
+    port = int(server.rsplit(":", 1)[1])
+    listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert len(listeners) == 1, listeners
+    assert "RaypoIngress" in " ".join(psutil.Process(listeners.pop()).cmdline())
+    titles = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    assert any("VLLM::EngineCore" in t for t in titles)
+    assert not any("VLLM::Worker" in t for t in titles), "the model should run in the engine core, not a worker"
+
+
+def test_start_http_refuses_a_port_that_is_taken_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve on 127.0.0.1:{port}"):
+            start_http("127.0.0.1", port, direct=True)
 
 
 def test_args_refuse_a_directory_without_safetensors(tmp_path):
