@@ -53,7 +53,9 @@ def server(trained_checkpoint):
 
     port = _free_port()
     # As `raypo serve` starts it: direct ingress on `port` (the ingress replica inherits the
-    # settings and the key from this process's environment).
+    # settings and the key from this process's environment). ray.serve is imported above, before
+    # the settings: this process keeps Ray's default handles, which `ops.promote` calls outside an
+    # event loop, as `raypo serve promote` (another process) does.
     env = direct_ingress_env(port) | {"RAYPO_API_KEY": API_KEY}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
