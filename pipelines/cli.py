@@ -203,8 +203,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
         print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
         print("press Ctrl-C to stop", flush=True)
         own_the_stop_signals()
-        while True:
-            time.sleep(3600)
+        _watch_the_port(args.host, args.port, direct=local_ray and not args.proxy)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         print("stopping: shutting down Serve and Ray...", flush=True)
@@ -212,6 +211,37 @@ def _serve_forever(args: argparse.Namespace) -> int:
         print("stopped", flush=True)
         return stopped["code"]
     return 0
+
+
+PORT_CHECK_S = 10.0
+
+
+def _watch_the_port(host: str, port: int, direct: bool) -> None:
+    """Sleep until interrupted. Under direct ingress, also check every PORT_CHECK_S that the
+    port still accepts connections, and say on stderr when it stops and when it is back: an
+    ingress replica that Serve replaces while the old one still drains gets the next port of its
+    range instead (serve/app.py:direct_ingress_env)."""
+    from serve.app import DIRECT_INGRESS_PORTS, listens
+
+    if not direct:
+        while True:
+            time.sleep(3600)
+    up = True
+    while True:
+        time.sleep(PORT_CHECK_S)
+        if listens(host, port) != up:
+            up = not up
+            if up:
+                print(f"raypo serve: {host}:{port} answers again", file=sys.stderr, flush=True)
+            else:
+                others = [p for p in range(port + 1, port + DIRECT_INGRESS_PORTS) if listens(host, p, 0.2)]
+                print(
+                    f"raypo serve: warning: nothing accepts connections on {host}:{port} now (the ingress replica is "
+                    f"restarting, or Serve gave its replacement another port; listening above it: {others or 'none'}); "
+                    "restart with --proxy to keep the port through replica restarts",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _shutdown_serve() -> None:

@@ -61,16 +61,18 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     """Ray Serve settings for a Ray that raypo starts itself to serve on `port`.
 
     Ray's throughput-optimized mode (gRPC between replicas, the garbage collector frozen after
-    start-up, buffered request logs) with direct ingress: the front ingress replica runs the HTTP
-    server on `port` itself, so a request skips Serve's proxy actor, a whole process hop on the
-    way in and out. bench/serve_load.py measured 83 -> 187 QPS on 2 CPUs (tiny model, 16 clients).
+    start-up) with direct ingress: the front ingress replica runs the HTTP server on `port`
+    itself, so a request skips Serve's proxy actor, a whole process hop on the way in and out
+    (bench/serve_load.py, README "Serving the trained policy").
 
     Ray reads these when each of its processes starts: they take effect only in a Ray started
-    after they are set (`raypo serve` without `--address`). Every application's ingress replica
-    gets a port of [port, port + DIRECT_INGRESS_PORTS); a promoted version's LLMServer is its
-    application's ingress, so it binds one above `port` (it has no HTTP routes: it answers 404).
-    No quarantine, so a restarted front ingress binds `port` again. `raypo serve --proxy` keeps
-    Ray's default path (Serve's proxy actor on `port`).
+    after they are set (`raypo serve` when it starts its own Ray). Every application's ingress
+    replica gets a port of [port, port + DIRECT_INGRESS_PORTS); a promoted version's LLMServer is
+    its application's ingress, so it binds one above `port` (it has no HTTP routes: it answers
+    500). No quarantine, so a front ingress replica that died is replaced on `port`. One that is
+    replaced while still draining (a failed health check) is not: its successor gets the next
+    port, and `raypo serve` says so. `raypo serve --proxy` keeps Ray's default path (Serve's
+    proxy actor on `port`).
 
     >>> env = direct_ingress_env(8000)
     >>> env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]
@@ -78,8 +80,10 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     """
     return {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",  # whatever the caller's environment says
+        "RAY_SERVE_LOG_TO_STDERR": "1",  # replicas' errors still reach the console
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(min(port + DIRECT_INGRESS_PORTS, 65536)),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + DIRECT_INGRESS_PORTS),
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
         # Ray drains a stopping ingress replica for at least 30 s so that an external load balancer
         # notices; clients here connect to the port itself, and Ctrl-C should not wait that long.
@@ -91,24 +95,38 @@ def start_http(host: str, port: int, direct: bool) -> None:
     """Start Serve's HTTP side on `host:port`. `direct`: the Ray was started with
     `direct_ingress_env(port)`, so the front ingress replica will bind `port` itself and Serve's
     proxy (which Serve still starts) gets a free port of its own. Raises OSError naming the port
-    when something else already listens there: direct ingress would otherwise move to the next
-    port of its range without a word."""
+    when something else already listens there (direct ingress would otherwise move to the next
+    port of its range without a word), or when the range above it passes 65535."""
     import socket
 
     from ray import serve
 
     proxy_port = port
     if direct:
-        with socket.socket() as probe:
+        if port + DIRECT_INGRESS_PORTS > 65536:
+            raise OSError(f"cannot serve on port {port}: promoted versions need the {DIRECT_INGRESS_PORTS - 1} ports above it")
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's: TIME_WAIT is no conflict
             try:
-                probe.bind((host, port))
+                probe.bind(address)
             except OSError as err:
                 raise OSError(err.errno, f"cannot serve on {host}:{port}: {err.strerror} (is another server there?)") from None
-        with socket.socket() as free:
-            free.bind((host, 0))
+        with socket.socket(family, kind) as free:
+            free.bind((address[0], 0, *address[2:]))
             proxy_port = free.getsockname()[1]
     serve.start(http_options={"host": host, "port": proxy_port})
+
+
+def listens(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections on `host:port`."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def cpu_plan(args: ServeArgs) -> dict[str, float]:
@@ -149,9 +167,7 @@ def llm_config(args: ServeArgs):
     }
     if args.use_gpu:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_fraction
-    env = {"RAYLLM_VLLM_ENGINE_CLS": "serve.engine:InProcessVLLMEngine"}  # the model in the engine core (serve/engine.py)
-    if not args.use_gpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = {} if args.use_gpu else {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.checkpoint},
         engine_kwargs={k: v for k, v in engine_kwargs.items() if v is not None},
@@ -197,6 +213,10 @@ def build_app(args: dict | ServeArgs):
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = llm_config(args)
     options = maybe_apply_llm_deployment_config_defaults(OpenAiIngress.get_deployment_options([config]), None)
+    # The ingress never scales to zero (Ray's default when the engines may): under direct ingress
+    # it is what listens on the port, and with none there no request could wake it. It costs 0.1 CPU.
+    autoscaling = options.setdefault("autoscaling_config", {})
+    autoscaling["min_replicas"] = max(1, autoscaling.get("min_replicas", 1))
     options["max_ongoing_requests"] = args.max_replicas * args.max_ongoing_requests
     options["max_queued_requests"] = args.max_queued_requests
     options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "num_cpus": INGRESS_CPUS}

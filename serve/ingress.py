@@ -99,6 +99,8 @@ class RequestChecks:
             body, more = b"", True
             while more:
                 message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client left: nothing to answer
                 body, more = body + message.get("body", b""), message.get("more_body", False)
             try:
                 problem = chat_messages_problem(json.loads(body))

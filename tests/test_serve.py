@@ -102,18 +102,36 @@ def test_openai_client_gets_completions_and_chat_streamed_and_not(server):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
 
 
-def test_the_ingress_replica_listens_on_the_port_and_the_model_runs_in_the_engine_core(server):
-    """Direct ingress: the port belongs to the ingress replica, not to Serve's proxy actor. The
-    engine (serve/engine.py) runs the model inside vLLM's engine core: no separate worker process."""
+def test_the_ingress_replica_itself_listens_on_the_port_and_comes_back_there_after_a_kill(server):
+    """Direct ingress: the port belongs to the ingress replica, not to Serve's proxy actor. A
+    SIGKILLed ingress replica is replaced on the same port (no quarantine)."""
+    import signal
+    import time
+
     import psutil
 
     port = int(server.rsplit(":", 1)[1])
-    listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-    assert len(listeners) == 1, listeners
-    assert "RaypoIngress" in " ".join(psutil.Process(listeners.pop()).cmdline())
-    titles = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
-    assert any("VLLM::EngineCore" in t for t in titles)
-    assert not any("VLLM::Worker" in t for t in titles), "the model should run in the engine core, not a worker"
+
+    def listeners() -> list[str]:
+        pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        return [f"{pid} {' '.join(psutil.Process(pid).cmdline())}" for pid in pids if pid]
+
+    def answers() -> bool:
+        try:
+            return _request(f"{server}/v1/completions", body=GOOD)[0] == 200
+        except OSError:  # not accepting connections yet
+            return False
+
+    first = listeners()
+    assert len(first) == 1 and "RaypoIngress" in first[0], first
+    os.kill(int(first[0].split()[0]), signal.SIGKILL)
+    time.sleep(2)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not answers():
+        time.sleep(1)
+    assert answers(), f"nothing answers on {port} 2 minutes after the ingress replica was killed"
+    now = listeners()
+    assert any("RaypoIngress" in line for line in now) and first[0] not in now, now
 
 
 def test_start_http_refuses_a_port_that_is_taken_naming_it():
