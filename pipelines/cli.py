@@ -115,8 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.action != "start":
         from serve import ops
 
+        address = args.address or os.environ.get("RAY_ADDRESS") or _served_ray(args.app)
         try:
-            connect_ray(args.address, join_only=True, log_to_driver=False)
+            connect_ray(address, join_only=True, log_to_driver=False)
         except ConnectionError as err:
             print(f"raypo serve {args.action}: no running Ray cluster to talk to ({err})", file=sys.stderr)
             return 1
@@ -145,6 +146,28 @@ def _local_checkpoint(location: str) -> Path:
     if is_uri(location):
         print(f"fetching {location} ...", flush=True)
     return local_copy(location, cache_root())
+
+
+def _serve_address_file(app: str) -> Path:
+    """Where `raypo serve` leaves the GCS address of the Ray it started for the front app `app`."""
+    from pipelines.models.tiny import cache_root
+
+    return cache_root() / f"serve-{app}.address"
+
+
+def _served_ray(app: str) -> str | None:
+    """The Ray that a running `raypo serve` started for `app`, if its address file is there and
+    its GCS answers. That Ray uses Ray's token auth, so this process becomes its client
+    (RAY_AUTH_MODE=token, set before Ray is imported here)."""
+    from pipelines.cluster import AUTH_MODE, gcs_answers
+
+    path = _serve_address_file(app)
+    address = path.read_text().strip() if path.is_file() else None
+    if not address or not gcs_answers(address):
+        return None
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", AUTH_MODE)
+    return address
 
 
 def _serve_forever(args: argparse.Namespace) -> int:
@@ -176,6 +199,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack, for a hang
     own_the_stop_signals()
+    address_file, wrote_address = _serve_address_file(args.app), False
     try:
         try:
             local_ray = connect_ray(
@@ -200,6 +224,10 @@ def _serve_forever(args: argparse.Namespace) -> int:
             ray.shutdown()
             return 2
         serve.run(build_app(serve_args), name=args.app, route_prefix="/")
+        if local_ray:  # for `raypo serve promote/rollback/status`, which find no `ray start` address file
+            address_file.parent.mkdir(parents=True, exist_ok=True)
+            address_file.write_text(ray.get_runtime_context().gcs_address)
+            wrote_address = True
         print(f"serving {serve_args.checkpoint} as {serve_args.model_id!r} at http://{args.host}:{args.port}/v1", flush=True)
         print("press Ctrl-C to stop", flush=True)
         own_the_stop_signals()
@@ -207,6 +235,8 @@ def _serve_forever(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         print("stopping: shutting down Serve and Ray...", flush=True)
+        if wrote_address:
+            address_file.unlink(missing_ok=True)
         _shutdown_serve()
         print("stopped", flush=True)
         return stopped["code"]

@@ -88,6 +88,10 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         answer = client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0)
         assert answer.choices[0].text.strip() == "19"  # the trained policy adds
+        # The README's `raypo serve status` (promote and rollback find the Ray the same way) reaches
+        # the Ray that raypo serve started, with no address given.
+        status = subprocess.run([*RAYPO, "serve", "status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0 and "live" in status.stdout and "v1" in status.stdout, status.stderr[-3000:]
         family = psutil.Process(server.pid).children(recursive=True)
         assert family, "raypo serve started no Ray processes"
         os.killpg(server.pid, signal.SIGINT)
