@@ -15,7 +15,7 @@ import ray
 
 from actors.common import Restartable
 from actors.core.buffer import Buffer, CorruptSpill, enforce_limits, spill_files
-from actors.core.minibatch import minibatch_count, minibatches
+from actors.core.minibatch import minibatch_count, minibatches, shards
 
 
 @ray.remote
@@ -48,20 +48,26 @@ class ExperienceBuffer(Restartable):
             enforce_limits(self.spill_dir, *self.limits)
         return self.size()
 
-    def minibatches(self, batch: dict, targets: dict, size: int, seed: int, epochs: int = 1):
-        """A step's minibatches (see `minibatch_refs`), one return value each."""
-        parts = minibatches({**batch, **targets}, size, seed, epochs)
+    def minibatches(self, batch: dict, targets: dict, size: int, seed: int, ranks: int = 1):
+        """The learner ranks' shards of a step's minibatches (see `minibatch_refs`), one return
+        value each, minibatch by minibatch."""
+        parts = [s for mb in minibatches({**batch, **targets}, size, seed) for s in shards(mb, ranks)]
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     def size(self) -> dict:
         return {**self.buffer.size(), "quarantined": self.quarantined}
 
 
-def minibatch_refs(buffer, batch, targets, rows: int, size: int, seed: int, epochs: int = 1) -> list[ray.ObjectRef]:
-    """Refs to a step's minibatches in training order, owned by the caller: the step's `rows` rows
-    of `batch` and `targets` (refs) shuffled with `seed`, cut into equal minibatches of at most
-    `size` rows (`actors.core.minibatch.minibatch_rows`), the same order again for each of
-    `epochs` passes. Learners fetch them one at a time."""
-    count = minibatch_count(rows, size, epochs)
-    refs = buffer.minibatches.options(num_returns=count).remote(batch, targets, size, seed, epochs)
-    return [refs] if count == 1 else list(refs)
+def minibatch_refs(
+    buffer, batch, targets, rows: int, size: int, seed: int, epochs: int = 1, ranks: int = 1
+) -> list[list[ray.ObjectRef]]:
+    """Refs to each learner rank's shards of a step's minibatches in training order
+    (`[rank][minibatch]`, `actors.core.minibatch.Shard`), owned by the caller: the step's `rows`
+    rows of `batch` and `targets` (refs) shuffled with `seed`, cut into equal minibatches of at
+    most `size` rows (`actors.core.minibatch.minibatch_rows`), the same again for each of
+    `epochs` passes (the same objects: a pass more copies nothing). Each rank fetches only its own
+    shards, one at a time."""
+    count = minibatch_count(rows, size)
+    refs = buffer.minibatches.options(num_returns=count * ranks).remote(batch, targets, size, seed, ranks)
+    refs = [refs] if count * ranks == 1 else list(refs)
+    return [refs[rank::ranks] * epochs for rank in range(ranks)]

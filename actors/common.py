@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import ray
@@ -41,10 +42,37 @@ def threads_for(cpus: float) -> int:
     return max(1, int(os.environ.get("RAYPO_THREADS_PER_ACTOR", "0")) or int(round(cpus)) or 1)
 
 
-def fetch_each(refs: Iterable[ray.ObjectRef]) -> Iterator:
-    """Each ref's value, fetched when the loop reaches it, so one minibatch is in memory at a time."""
-    for ref in refs:
-        yield ray.get(ref)
+class Fetched:
+    """Each ref's value (or each list of refs' values), fetched when the loop reaches it, so one
+    minibatch is in memory at a time, counting what the fetches moved: `bytes` of arrays and
+    `seconds` spent in them."""
+
+    def __init__(self, refs: Iterable[ray.ObjectRef | list[ray.ObjectRef]]):
+        self.refs, self.bytes, self.seconds = list(refs), 0, 0.0
+
+    def __iter__(self) -> Iterator:
+        for ref in self.refs:
+            start = time.perf_counter()
+            value = ray.get(ref)
+            self.seconds += time.perf_counter() - start
+            self.bytes += nbytes(value)
+            yield value
+
+    def metrics(self) -> dict[str, float]:
+        return {"fetch_bytes": float(self.bytes), "time_fetch": self.seconds}
+
+
+def nbytes(value) -> int:
+    """The bytes of the arrays in `value`: an array, a `Shard`, or a dict or list of them.
+
+    >>> import numpy as np
+    >>> nbytes([{"a": np.zeros(4, np.float32)}, np.zeros(2, np.int64)])
+    32
+    """
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else []
+    return sum(nbytes(v) for v in parts)
 
 
 def cpu_shortfall(plan: dict[str, float], cluster: dict[str, float]) -> str | None:

@@ -10,13 +10,17 @@ from ray.actor import ActorHandle
 
 class ActorGroup:
     """`run("save_checkpoint", path)` calls that typed method on every actor of the group and
-    waits; `run_async` returns the refs instead (rank order), so a caller can overlap calls."""
+    waits; `run_async` returns the refs instead (rank order), so a caller can overlap calls.
+    `each=[...]`: one value per actor, its call's first argument (before `args`)."""
 
     def __init__(self, actors: Sequence[ActorHandle]):
         self.actors = list(actors)
 
-    def run_async(self, method: str, *args, **kwargs) -> list[ray.ObjectRef]:
-        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+    def run_async(self, method: str, *args, each: Sequence | None = None, **kwargs) -> list[ray.ObjectRef]:
+        if each is None:
+            return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        assert len(each) == len(self.actors), (len(each), len(self.actors))
+        return [getattr(actor, method).remote(own, *args, **kwargs) for actor, own in zip(self.actors, each, strict=True)]
 
     def run(self, method: str, *args, **kwargs) -> list:
         return ray.get(self.run_async(method, *args, **kwargs))

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import ray
 
-from actors.common import Restartable, fetch_each, limit_threads, on_this_node
+from actors.common import Fetched, Restartable, limit_threads, on_this_node
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
 from actors.placement import Bundle, Placement
@@ -32,18 +32,23 @@ class LearnerActor(Restartable):
     def init(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         self.learner = Learner(spec, rank, world_size, master_addr, master_port)
 
+    # The updates take refs to this rank's shard of each of the step's minibatches, which the
+    # experience buffer put in the object store (`minibatch_refs`), fetched one at a time; their
+    # metrics add what the fetches moved (`Fetched.metrics`).
     def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec) -> dict[str, float]:
-        """One policy update on the step's minibatches, refs the experience buffer put in the
-        object store (`ExperienceBuffer.minibatches`), fetched one at a time."""
-        return self.learner.train_step(fetch_each(minibatches), loss)
+        """One policy update on the step's minibatches."""
+        fetched = Fetched(minibatches)
+        return self.learner.train_step(fetched, loss) | fetched.metrics()
 
     def dpo_step(self, minibatches: list[ray.ObjectRef], spec: DPOSpec) -> dict[str, float]:
-        """One DPO update on the step's preference pairs, minibatch refs from the buffer."""
-        return self.learner.dpo_step(fetch_each(minibatches), spec)
+        """One DPO update on the step's preference pairs."""
+        fetched = Fetched(minibatches)
+        return self.learner.dpo_step(fetched, spec) | fetched.metrics()
 
     def rm_step(self, minibatches: list[ray.ObjectRef]) -> dict[str, float]:
-        """One reward-model update on the step's preference pairs, minibatch refs from the buffer."""
-        return self.learner.rm_step(fetch_each(minibatches))
+        """One reward-model update on the step's preference pairs."""
+        fetched = Fetched(minibatches)
+        return self.learner.rm_step(fetched) | fetched.metrics()
 
     def pair_scores(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.learner.pair_scores(pairs)
@@ -61,6 +66,9 @@ class LearnerActor(Restartable):
         # Views, not copies: Ray copies the return value into the object store before this actor
         # runs its next call (it runs one at a time; with max_concurrency > 1 this would race an update).
         return self.learner.state_dict(copy=False)
+
+    def weights_nbytes(self, as_float32: bool) -> int:
+        return self.learner.weights_nbytes(as_float32)
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         return self.learner.open_weight_sync(host, port, world_size, backend)
@@ -162,6 +170,15 @@ class LearnerGroup(ActorGroup):
         self.kill()
         cause = str(err).splitlines()[0][:300]
         raise LearnerLost(f"learner rank {rank} of {len(self.actors)} died ({cause})") from err
+
+    def update(self, method: str, minibatches: list[list[ray.ObjectRef]], *args) -> dict[str, float]:
+        """An update `method` (`train_step`, `dpo_step`, `rm_step`) on every rank, each with refs to
+        its own shards (`minibatches[rank]`, from `minibatch_refs`). Returns rank 0's metrics (the
+        same on every rank) but for what the fetches moved: `fetch_bytes` summed over the ranks,
+        `time_fetch` the slowest rank's."""
+        results = self.run(method, *args, each=minibatches)
+        fetches = {"fetch_bytes": sum(r["fetch_bytes"] for r in results), "time_fetch": max(r["time_fetch"] for r in results)}
+        return results[0] | fetches
 
     def address(self) -> tuple[str, int]:
         """An address on rank 0's node with a free port, to host a process group there."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import Restartable, checkpoint_to_restore, fetch_each, limit_threads, on_this_node
+from actors.common import Fetched, Restartable, checkpoint_to_restore, limit_threads, on_this_node
 from actors.core.critic import Critic
+from actors.core.minibatch import joined
 from pipelines.data.storage import join, reading, writing
 
 
@@ -26,10 +27,13 @@ class ValueActor(Restartable):
         """`[N, T]` value estimates for the batch's response positions."""
         return self.critic.values(batch)
 
-    def train_step(self, minibatches: list[ray.ObjectRef]) -> dict:
+    def train_step(self, minibatches: list[list[ray.ObjectRef]]) -> dict:
         """Clipped value-loss update towards each minibatch's `returns` around its `old_values`;
-        the minibatches are the experience buffer's refs, fetched one at a time."""
-        return self.critic.train_step(fetch_each(minibatches))
+        `minibatches[rank]` are the experience buffer's refs to the learner ranks' shards
+        (`minibatch_refs`), each minibatch's fetched and joined in turn."""
+        fetched = Fetched(list(parts) for parts in zip(*minibatches, strict=True))
+        metrics = self.critic.train_step(joined(parts) for parts in fetched)
+        return metrics | {f"value_{k}": v for k, v in fetched.metrics().items()}
 
     def save(self, location: str) -> None:
         """Write the critic where the run's storage is (a path, or a URI it uploads to)."""

@@ -25,8 +25,11 @@ from actors.learner import LearnerGroup
 class WeightSync:
     """Pushes the learners' current weights to every rollout engine."""
 
+    SENDS_FLOAT32 = True  # the weights travel as float32 numpy (else in the model's dtypes)
+
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle]):
         self.learners, self.rollouts = learners, list(rollouts)
+        self._push_bytes: int | None = None
         self.version = 0  # the weights version the engines serve (0: the starting weights)
         # The last push's calls when it did not wait for them: (the engine, or None for a learner's send; the ref).
         self.loading: list[tuple[ActorHandle | None, ray.ObjectRef]] = []
@@ -41,6 +44,12 @@ class WeightSync:
         if wait:
             loading, self.loading = self.loading, []
             ray.get([ref for _, ref in loading])
+
+    def push_bytes(self) -> int:
+        """The bytes one push delivers: the full weights to each engine (asked of the learners once)."""
+        if self._push_bytes is None:
+            self._push_bytes = self.learners.run("weights_nbytes", self.SENDS_FLOAT32)[0] * len(self.rollouts)
+        return self._push_bytes
 
     def _send(self, version: int) -> list[tuple[ActorHandle | None, ray.ObjectRef]]:
         """Start giving every engine the learners' current weights as `version`: (engine, ref) of each call."""
@@ -71,6 +80,8 @@ class ObjectStoreSync(WeightSync):
 
 
 class BroadcastSync(WeightSync):
+    SENDS_FLOAT32 = False
+
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle], backend: str):
         """Form the weight-sync group: learner rank 0 (which hosts it) and every rollout engine."""
         super().__init__(learners, rollouts)

@@ -10,6 +10,12 @@ passed through the object store (`--config` adds a run of that file); skips the 
 the step, and the generation throughput. Compare ratios, not absolute times: the machine is
 shared and noisy.
 
+Then the bytes each step moves between roles: the experience the buffer holds (the rollout
+batch and its targets, put into the object store once), what the learner ranks fetch of it
+(each its own rows of each minibatch; a pass more over the same minibatches fetches them
+again), and the weights each sync delivers to the engines; with the learners' fetch time and
+the sync time as shares of the step.
+
 Then, per run, the learner's achieved FLOP/s: the FLOPs the policy loss needs (forward and
 backward, 6 x the decoder's parameters x the real tokens, each distinct prompt counted once
 (a group's samples share it), 6 x hidden x vocab for the LM head at response positions only, and
@@ -154,7 +160,13 @@ def main() -> None:
         print(f"{phase:<12}" + "".join(f"{c:>22}" for c in cells))
     print(f"{'step':<12}" + "".join(f"{mean(r, 'step_time'):>20.3f} s" for r in results.values()))
     print(f"{'tokens/s':<12}" + "".join(f"{mean(r, 'tokens_per_s'):>22.0f}" for r in results.values()))
-    print(f"{'learn GFLOP/s':<12}" + "".join(f"{s['achieved'] / 1e9:>22.2f}" for s in speed.values()))
+    print("\nbytes moved per step (MB), and the step time it took")
+    for label, key in (("experience", "buffer_bytes"), ("learner fetch", "fetch_bytes"), ("weight sync", "sync_bytes")):
+        print(f"{label:<14}" + "".join(f"{mean(r, key) / 1e6:>20.2f}" for r in results.values()))
+    for label, key in (("fetch time", "time_fetch"), ("sync time", "time_sync")):
+        cells = [f"{mean(r, key):8.4f} s ({mean(r, key) / mean(r, 'step_time'):5.1%})" for r in results.values()]
+        print(f"{label:<14}" + "".join(f"{c:>20}" for c in cells))
+    print(f"\n{'learn GFLOP/s':<12}" + "".join(f"{s['achieved'] / 1e9:>22.2f}" for s in speed.values()))
     print(f"{'GEMM GFLOP/s':<12}" + "".join(f"{s['gemm'] / 1e9:>22.2f}" for s in speed.values()))
     print(f"{'learn / GEMM':<12}" + "".join(f"{s['achieved'] / s['gemm']:>22.1%}" for s in speed.values()))
     if {"grpo", "ppo"} <= set(results):

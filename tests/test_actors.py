@@ -56,7 +56,8 @@ def _train(group, buffer, batch_ref, targets, minibatch_size, step=0):
     """One update the way a run makes it: the experience goes into the buffer actor, and the
     learners fetch the minibatches it serves."""
     rows = ray.get(buffer.add.remote(step, batch_ref, targets))["rows"]
-    return group.run("train_step", minibatch_refs(buffer, batch_ref, targets, rows, minibatch_size, 0), LossSpec())
+    minibatches = minibatch_refs(buffer, batch_ref, targets, rows, minibatch_size, 0, ranks=len(group.actors))
+    return group.update("train_step", minibatches, LossSpec())
 
 
 def _targets(batch, scores):
@@ -99,7 +100,9 @@ def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, 
     equal the engine's behaviour log-probs token by token (ratio 1), because both are of the
     truncated, renormalised distribution. The full softmax (what the learner computed before, and
     what the reference still scores) gives ratio Z, the nucleus mass, below 1 (0.91 at worst on
-    the warm-started tiny model; a less confident model's Z falls under 1 - eps, the clipped branch)."""
+    the warm-started tiny model of one machine, 0.975 on another, whose warm start came out more
+    confident; a less confident model's Z falls under 1 - eps, the clipped branch): off 1 by far
+    more than the tolerance the truncated ratio meets."""
     prompts = [p.prompt for p in problems]
     batch = ray.get(rollout.generate.remote(prompts, 4, TRUNCATED, 8, prompt_seeds(0, 0, len(prompts))))
     group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3, sampling=TRUNCATED), 1, 0.5)
@@ -112,7 +115,7 @@ def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, 
     full = ray.get(reference.logprobs.remote(batch))
     ray.kill(reference)
     full_ratio = np.exp(full - batch["behaviour_logprobs"])[mask]
-    assert full_ratio.min() < 0.95 and (full_ratio < 0.99).mean() > 0.05, np.quantile(full_ratio, [0, 0.1, 0.5])
+    assert full_ratio.min() < 0.99 and (full_ratio < 1 - 10 * 2e-4).mean() > 0.05, np.quantile(full_ratio, [0, 0.1, 0.5])
     assert full_ratio.max() <= 1 + 1e-4
 
 
@@ -150,20 +153,28 @@ def test_buffer_serves_the_steps_minibatches_as_object_refs_the_caller_owns(buff
     targets = {"advantages": np.arange(n, dtype=np.float32)[:, None] * batch["response_mask"]}
     assert ray.get(buffer.add.remote(5, batch_ref, targets))["rows"] == n
     assert ray.get(buffer.add.remote(5, batch_ref, targets))["rows"] == n  # a retried add replaces the step
-    refs = minibatch_refs(buffer, batch_ref, targets, n, 12, 0, 2)
+    (refs,) = minibatch_refs(buffer, batch_ref, targets, n, 12, 0, 2)
     assert all(isinstance(r, ray.ObjectRef) for r in refs) and len(refs) == 2 * -(-n // 12)
-    parts = ray.get(refs)
-    rows = np.concatenate([p["advantages"][:, 0] for p in parts[: len(parts) // 2]]).astype(int)
-    assert sorted(rows) == list(range(n)) and list(rows) != list(range(n))  # one shuffled pass, then again
-    for p in parts[len(parts) // 2 :]:
-        assert set(p) == {*batch, "advantages"}
-    assert len(minibatch_refs(buffer, batch_ref, targets, n, n, 0)) == 1
+    assert refs[len(refs) // 2 :] == refs[: len(refs) // 2]  # the second pass is the same objects, not copies
+    parts = ray.get(refs[: len(refs) // 2])
+    rows = np.concatenate([p.columns["advantages"][:, 0] for p in parts]).astype(int)
+    assert sorted(rows) == list(range(n)) and list(rows) != list(range(n))  # one shuffled pass
+    assert all(set(p.columns) == {*batch, "advantages"} and p.owned == p.rows for p in parts)
+    assert [len(r) for r in minibatch_refs(buffer, batch_ref, targets, n, n, 0)] == [1]
+    # three learner ranks: each gets every third row of each minibatch, and the whole minibatch's counts
+    per_rank = minibatch_refs(buffer, batch_ref, targets, n, 12, 0, ranks=3)
+    assert [len(r) for r in per_rank] == [-(-n // 12)] * 3
+    for shards in zip(*[ray.get(r) for r in per_rank], strict=True):
+        mb = np.concatenate([s.columns["advantages"][:, 0] for s in shards]).astype(int)
+        assert [s.owned for s in shards] == [len(range(r, len(mb), 3)) for r in range(3)] and len(set(mb)) == len(mb)
+        tokens = batch["response_mask"][mb].sum()
+        assert all(s.rows == len(mb) and s.tokens == tokens for s in shards)
     # the caller owns the minibatches: they outlive the buffer that cut them
     short_lived = ExperienceBuffer.options(num_cpus=0.05).remote()
-    refs = minibatch_refs(short_lived, batch_ref, targets, n, 12, 0)
+    (refs,) = minibatch_refs(short_lived, batch_ref, targets, n, 12, 0)
     ray.wait(refs, num_returns=len(refs), fetch_local=False)
     ray.kill(short_lived)
-    assert sum(len(p["advantages"]) for p in ray.get(refs)) == n
+    assert sum(p.owned for p in ray.get(refs)) == n
 
 
 def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tiny_model, rollout, batch_ref, buffer):
@@ -225,11 +236,12 @@ def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray,
     for world, stage, micro in ((1, 0, 0), (2, 2, 0), (2, 2, 7)):
         spec = LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=stage, micro_batch_size=micro)
         group = LearnerGroup.on_own_placement(spec, world, 0.5)
-        metrics = _train(group, buffer, batch_ref, targets, 32)[0]
+        metrics = _train(group, buffer, batch_ref, targets, 32)
         results[world, micro] = (metrics, ray.get(group.state_dict_ref()))
         group.shutdown()
     m1, w1 = results[1, 0]
     for m2, w2 in (results[2, 0], results[2, 7]):
+        assert m2["fetch_bytes"] == m1["fetch_bytes"] > 0  # each rank fetched its own rows only, not the whole minibatch
         assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-4, abs=1e-6)
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-3)
         # Adam's first step moves each weight by about lr * sign(grad): where a gradient is ~0 the two

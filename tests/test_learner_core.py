@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from actors.core.learner import Learner, LearnerSpec
-from actors.core.minibatch import minibatches
+from actors.core.minibatch import Shard, minibatches, shards
 from pipelines.algos.losses import LossSpec
 
 pytestmark = pytest.mark.slow
 # Measured (AVX2 and default kernels alike): MSE 1.0 at V = 0, 0.35 after 12 steps of lr 1e-3.
 CRITIC_STEPS, CRITIC_MAX_MSE = 12, 0.6
+
+
+def _whole(columns, size, seed=0) -> list[Shard]:
+    """`columns` cut into minibatches of at most `size` rows, as a learner alone in its world gets them."""
+    return [shards(mb, 1)[0] for mb in minibatches(columns, size, seed=seed)]
 
 
 def _batch(n=8):
@@ -32,7 +37,7 @@ def _update_towards_first_half(learner):
     before = learner.logprobs(batch)
     adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]
     step = {**batch, "behaviour_logprobs": before, "advantages": adv.astype(np.float32)}
-    metrics = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
+    metrics = learner.train_step(_whole(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
     return step, metrics, learner.logprobs(batch) - before
 
 
@@ -48,7 +53,7 @@ def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
 
     weights = learner.state_dict()
     poisoned = {**step, "advantages": np.full_like(step["advantages"], np.nan)}
-    metrics = learner.train_step(minibatches(poisoned, 8, seed=0), LossSpec())
+    metrics = learner.train_step(_whole(poisoned, 8, seed=0), LossSpec())
     assert metrics["update_success"] == 0.0 and np.isnan(metrics["loss"])
     assert all(np.array_equal(weights[k], v) for k, v in learner.state_dict().items())
 
@@ -102,7 +107,7 @@ def test_dpo_update_raises_the_chosen_over_the_rejected(tiny_model):
     for side in ("chosen", "rejected"):
         np.testing.assert_allclose(start[f"policy_{side}"], reference[f"reference_{side}"], rtol=1e-5, atol=1e-5)
     for _ in range(3):
-        metrics = policy.dpo_step(minibatches({**pairs, **reference}, 8, seed=0), DPOSpec(beta=0.1))
+        metrics = policy.dpo_step(_whole({**pairs, **reference}, 8, seed=0), DPOSpec(beta=0.1))
     end = policy.pair_logprobs(pairs)
     margin = (end["policy_chosen"] - reference["reference_chosen"]) - (end["policy_rejected"] - reference["reference_rejected"])
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"]) and metrics["loss"] < np.log(2)
@@ -137,7 +142,7 @@ def test_gspo_loss_through_the_learner_does_not_depend_on_response_length(frozen
                 "advantages": (adv * batch["response_mask"]).astype(np.float32),
             }
             spec = LossSpec(policy_loss="gspo", clip_low=0.5, clip_high=0.5, aggregate=aggregate, kl_coef=0.0, entropy_coef=0.0)
-            metrics = frozen.train_step(minibatches(step, 8, seed=0), spec)
+            metrics = frozen.train_step(_whole(step, 8, seed=0), spec)
             assert metrics["pg_loss"] == pytest.approx(-np.exp(c) * adv, rel=1e-4), (batch["response_ids"].shape, aggregate)
 
 
@@ -150,12 +155,12 @@ def test_unscored_samples_stay_out_of_the_loss(frozen):
     reference = np.tile(frozen.logprobs(batch)[:1] - 0.3, (8, 1))
     step = {**batch, "behaviour_logprobs": frozen.logprobs(batch), "advantages": adv.astype(np.float32)}
     step["reference_logprobs"] = reference.astype(np.float32)
-    with_mask = frozen.train_step(minibatches({**step, "scored": scored}, 8, seed=0), LossSpec())
-    alone = frozen.train_step(minibatches({k: v[scored] for k, v in step.items()}, 8, seed=0), LossSpec())
+    with_mask = frozen.train_step(_whole({**step, "scored": scored}, 8, seed=0), LossSpec())
+    alone = frozen.train_step(_whole({k: v[scored] for k, v in step.items()}, 8, seed=0), LossSpec())
     for key in ("loss", "pg_loss", "entropy", "kl", "kl_loss"):
         assert with_mask[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-7), key
     with pytest.raises(ValueError, match="all unscored"):
-        frozen.train_step(minibatches({**step, "scored": np.zeros(8, dtype=bool)}, 8, seed=0), LossSpec())
+        frozen.train_step(_whole({**step, "scored": np.zeros(8, dtype=bool)}, 8, seed=0), LossSpec())
 
 
 def test_a_bf16_learner_and_its_reference_start_at_zero_dpo_margin(tiny_model):
@@ -205,7 +210,7 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     step = {**batch, "behaviour_logprobs": truncated, "reference_logprobs": reference}
     step["advantages"] = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
     for kind in ("k2", "k3"):
-        metrics = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_kind=kind, kl_coef=0.1))
+        metrics = learner.train_step(_whole(step, 8, seed=0), LossSpec(kl_kind=kind, kl_coef=0.1))
         assert abs(metrics["kl"]) < 1e-6 and abs(metrics["kl_loss"]) < 1e-6, (kind, metrics)
         assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # ratio 1: the sampling contract
 
@@ -216,8 +221,8 @@ def test_the_entropy_bonus_is_a_loss_term_only_when_its_coefficient_is_set(learn
     bonus alone gives one. The entropy is reported either way."""
     batch = _batch()
     step = {**batch, "behaviour_logprobs": learner.logprobs(batch), "advantages": np.zeros((8, 3), dtype=np.float32)}
-    without = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
-    bonus = learner.train_step(minibatches(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.5))
+    without = learner.train_step(_whole(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.0))
+    bonus = learner.train_step(_whole(step, 8, seed=0), LossSpec(kl_coef=0.0, entropy_coef=0.5))
     assert without["grad_norm"] == 0.0 and bonus["grad_norm"] > 0.01
     assert without["entropy"] > 0 and bonus["entropy"] > 0
 
@@ -236,7 +241,7 @@ def test_decoupled_ppo_with_nothing_stale_is_the_synchronous_update(tiny_model, 
         adv = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
         step = {**batch, "behaviour_logprobs": learner.logprobs(batch), "advantages": adv}
         spec = LossSpec(kl_coef=0.0, entropy_coef=0.0, clip_low=0.05, clip_high=0.05, behaviour_weight_cap=cap)
-        metrics = learner.train_step(minibatches(step, minibatch, seed=0), spec)
+        metrics = learner.train_step(_whole(step, minibatch, seed=0), spec)
         assert metrics["update_success"] == 1.0
         if cap is not None:
             assert metrics["behaviour_weight_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["behaviour_weight_capped"] == 0
@@ -250,9 +255,9 @@ def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):
     starts from, before any of its updates."""
     batch = _batch()
     step = {**batch, "behaviour_logprobs": np.zeros((8, 3), dtype=np.float32), "advantages": np.zeros((8, 3), dtype=np.float32)}
-    parts = list(minibatches(step, 4, seed=0))
+    parts = _whole(step, 4)
     for part in learner._with_proximal(parts):
-        np.testing.assert_allclose(part["proximal_logprobs"], learner.logprobs(part), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(part.columns["proximal_logprobs"], learner.logprobs(part.columns), rtol=0, atol=1e-6)
     assert learner._with_proximal(parts[:1]) == parts[:1]  # one minibatch reads them off its own forward pass
 
 
@@ -272,17 +277,19 @@ def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):
         learner._policy_loss = lambda batch, rows, *rest, passes=passes, loss_of=loss_of: (
             passes.append(len(rows)) or loss_of(batch, rows, *rest)
         )
-        results[micro] = (learner.train_step(minibatches(step, 8, seed=0), spec), learner.state_dict())
+        results[micro] = (learner.train_step(_whole(step, 8, seed=0), spec), learner.state_dict())
         assert passes == ([8] if micro == 0 else [3, 3, 2]), passes
     (whole, w0), (micro, w3) = results[0], results[3]
     assert 0 < whole["clip_fraction"] < 1
     for key in ("loss", "pg_loss", "entropy", "kl", "kl_loss", "clip_fraction", "approx_kl", "grad_norm"):
         assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
-    # Adam's first step is about lr * sign(grad): where a gradient is ~0, summing it in parts can
-    # move the weight differently (2 elements of 16k here), so almost every weight must agree.
+    # Adam's first step is lr * g / (|g| + eps), about lr * sign(g): where a gradient is within a
+    # few eps of 0, summing it in parts moves the weight differently (by up to 4e-5 in 48 elements
+    # of 16k on one machine, 2 on another), so: almost every weight within lr / 100, none further
+    # than two steps of lr. A wrong gradient flips the signs of many (and the metrics above differ).
     for name, value in w0.items():
         diff = np.abs(w3[name] - value)
-        assert diff.max() <= 2e-2 and (diff > 1e-6).mean() < 1e-3, (name, diff.max(), (diff > 1e-6).sum())
+        assert diff.max() <= 2e-2 and (diff > 1e-4).mean() < 1e-3, (name, diff.max(), (diff > 1e-4).sum())
 
 
 def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):

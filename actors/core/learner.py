@@ -1,9 +1,10 @@
 """Learner: the Ray-free core of a learner actor, a Hugging Face causal LM under DeepSpeed.
 
 One `Learner` is one rank of a torch.distributed world (gloo on CPU, nccl on GPU). Each rank
-receives the whole step's batch (zero-copy numpy from the object store), takes its own rows
-of every minibatch, and normalises its loss by the whole minibatch's token count, so the
-world's update equals one learner's update on the whole batch, whatever the world size.
+receives only its own rows of every minibatch (`actors.core.minibatch.Shard`, zero-copy numpy
+from the object store) and normalises its loss by the whole minibatch's token count, which the
+shard carries, so the world's update equals one learner's update on the whole batch, whatever
+the world size.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from actors.core.minibatch import Shard
 from actors.core.modeling import (
     COMPLETIONS,
     completion_logprobs,
@@ -115,9 +117,6 @@ class Learner:
     def model(self):
         return self.engine.module
 
-    def _my_rows(self, rows: np.ndarray) -> np.ndarray:
-        return rows[self.rank :: self.world_size]
-
     @torch.no_grad()
     def logprobs(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
         """Log-probs `[N, T]` of the batch's response tokens under the current weights (all rows),
@@ -138,9 +137,9 @@ class Learner:
         logits = response_logits(self.engine, inputs, sampling.temperature)  # [n, T, V]
         return token_logprobs_and_entropy(logits, inputs["response_ids"], sampling, entropy_grad)
 
-    def train_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], loss: LossSpec) -> dict[str, float]:
-        """Policy update on a step's experience, one optimizer step per minibatch (every rank gets
-        the whole minibatch and trains on its share of the rows).
+    def train_step(self, minibatches: Iterable[Shard], loss: LossSpec) -> dict[str, float]:
+        """Policy update on a step's experience, one optimizer step per minibatch, of which each
+        rank gets its own rows (`actors.core.minibatch.shards`).
 
         Each needs `advantages` and `behaviour_logprobs` `[n, T]`; `reference_logprobs` for the KL;
         `scored` `[n]` (optional) leaves the samples no reward scored out of the loss. A minibatch
@@ -156,7 +155,7 @@ class Learner:
         return self._steps_done(results)
 
     @torch.no_grad()
-    def _with_proximal(self, minibatches: list[Mapping[str, np.ndarray]]) -> list[Mapping[str, np.ndarray]]:
+    def _with_proximal(self, minibatches: list[Shard]) -> list[Shard]:
         """Decoupled PPO's proximal policy is the weights before this step's first update. With one
         minibatch the loss reads it off its own forward pass (the weights have not moved yet); with
         more, later minibatches would see moved weights, so every minibatch gets this rank's rows'
@@ -164,23 +163,23 @@ class Learner:
         if len(minibatches) < 2:
             return minibatches
         out = []
-        for batch in minibatches:
+        for shard in minibatches:
+            batch = shard.columns
             proximal = np.zeros(batch["behaviour_logprobs"].shape, dtype=np.float32)
-            for part in self._micro_batches(len(batch["response_ids"])):
+            for part in self._micro_batches(shard):
                 # an empty pass runs a row too: under ZeRO-3 every forward pass gathers the weights from all ranks
                 logp = self._policy(sequence_tensors(batch, part if len(part) else np.arange(1)))[0]
                 if len(part):
                     proximal[part] = logp.numpy()
-            out.append({**batch, "proximal_logprobs": proximal})
+            out.append(replace(shard, columns={**batch, "proximal_logprobs": proximal}))
         return out
 
-    def _micro_batches(self, rows: int) -> list[np.ndarray]:
-        """This rank's rows of a minibatch of `rows`, cut into `micro_batch_size` passes, as many on
-        every rank (ZeRO-2/3 reduce the gradients at each backward; a rank short of rows gets an
-        empty pass)."""
-        largest_share = -(-rows // self.world_size)
+    def _micro_batches(self, shard: Shard) -> list[np.ndarray]:
+        """This rank's rows of a minibatch, cut into `micro_batch_size` passes, as many on every
+        rank (ZeRO-2/3 reduce the gradients at each backward; a rank short of rows gets an empty pass)."""
+        largest_share = -(-shard.rows // self.world_size)
         count = -(-largest_share // (self.spec.micro_batch_size or largest_share))
-        return np.array_split(self._my_rows(np.arange(rows)), count)
+        return np.array_split(np.arange(shard.owned), count)
 
     def _steps_done(self, results: list[dict[str, float]]) -> dict[str, float]:
         """A step's metrics: the mean over its minibatches' updates (skipped ones report none)."""
@@ -190,21 +189,21 @@ class Learner:
         out["update_success"] = sum(r["update_success"] for r in results) / len(results)
         return out
 
-    def _minibatch_step(self, batch: Mapping[str, np.ndarray], spec: LossSpec) -> dict[str, float] | None:
-        whole_mask = loss_mask(batch)  # [N, T]
-        if not whole_mask.any():
-            return None  # every sample unscored (same on every rank): no loss, no optimizer step
+    def _minibatch_step(self, shard: Shard, spec: LossSpec) -> dict[str, float] | None:
+        if not shard.tokens:
+            return None  # every sample unscored (the same on every rank): no loss, no optimizer step
+        batch, my_mask = shard.columns, loss_mask(shard.columns)  # [n, T]: this rank's rows
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
-        normalizer = Normalizers.of(whole_mask, self.world_size)
+        normalizer = Normalizers(shard.tokens / self.world_size, shard.sequences / self.world_size)
         # Micro-batches, each loss divided by the whole minibatch's counts, so their gradients add
         # up to the minibatch's; DeepSpeed steps once, after the last.
-        parts = self._micro_batches(len(batch["response_ids"]))
-        tokens = [float(whole_mask[part].sum()) for part in parts]
+        parts = self._micro_batches(shard)
+        tokens = [float(my_mask[part].sum()) for part in parts]
         local: dict[str, float] = {}
         non_finite = False
         for i, part in enumerate(parts):
             # A rank with fewer rows than micro-batches runs a row with no loss (a zero gradient) for each missing one.
-            mask = whole_mask[part] if len(part) else torch.zeros_like(whole_mask[:1])
+            mask = my_mask[part] if len(part) else torch.zeros_like(my_mask[:1])
             total, metrics = self._policy_loss(batch, part if len(part) else np.arange(1), mask, spec, normalizer)
             share = tokens[i] / max(sum(tokens), 1.0)  # the per-token means (clip fraction, ...) are weighted by tokens
             for key, value in metrics.items():
@@ -310,16 +309,15 @@ class Learner:
         out["update_success"] = 1.0
         return out
 
-    def dpo_step(self, minibatches: Iterable[Mapping[str, np.ndarray]], spec: DPOSpec) -> dict[str, float]:
+    def dpo_step(self, minibatches: Iterable[Shard], spec: DPOSpec) -> dict[str, float]:
         """DPO update on a step's preference pairs (`pipelines.data.preferences.encode_pairs` rows
-        with `reference_chosen` / `reference_rejected`), one optimizer step per minibatch; every
-        rank gets the whole minibatch and trains on its share of the pairs."""
+        with `reference_chosen` / `reference_rejected`), one optimizer step per minibatch, of
+        which each rank gets its own pairs."""
         self.engine.train()
         return self._steps_done([self._dpo_minibatch_step(mb, spec) for mb in minibatches])
 
-    def _dpo_minibatch_step(self, pairs: Mapping[str, np.ndarray], spec: DPOSpec) -> dict[str, float]:
-        n = len(pairs["prompt_ids"])
-        mine = self._my_rows(np.arange(n))
+    def _dpo_minibatch_step(self, shard: Shard, spec: DPOSpec) -> dict[str, float]:
+        pairs, n, mine = shard.columns, shard.rows, np.arange(shard.owned)
         policy = {side: completion_logprobs(self.engine, pairs, mine, side) for side in COMPLETIONS}  # [n] each
         reference = {side: torch.from_numpy(pairs[f"reference_{side}"][mine]).float() for side in COMPLETIONS}
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
@@ -337,16 +335,15 @@ class Learner:
         )
         return self._update(loss, {"loss": loss.item(), **metrics})
 
-    def rm_step(self, minibatches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    def rm_step(self, minibatches: Iterable[Shard]) -> dict[str, float]:
         """Bradley-Terry update of a reward model (`head="score"`) on preference pairs
-        (`pipelines.data.preferences.encode_reward_pairs` rows), one optimizer step per minibatch;
-        every rank trains on its share of the pairs."""
+        (`pipelines.data.preferences.encode_reward_pairs` rows), one optimizer step per minibatch,
+        of which each rank gets its own pairs."""
         self.engine.train()
         return self._steps_done([self._rm_minibatch_step(mb) for mb in minibatches])
 
-    def _rm_minibatch_step(self, pairs: Mapping[str, np.ndarray]) -> dict[str, float]:
-        n = len(pairs["chosen_input_ids"])
-        mine = self._my_rows(np.arange(n))
+    def _rm_minibatch_step(self, shard: Shard) -> dict[str, float]:
+        pairs, n, mine = shard.columns, shard.rows, np.arange(shard.owned)
         chosen, rejected = (completion_scores(self.engine, pairs, mine, side) for side in COMPLETIONS)  # [m] each
         # DeepSpeed averages gradients over ranks, so each rank's share is scaled by the world size.
         loss, metrics = bradley_terry_loss(chosen, rejected, normalizer=n / self.world_size)
@@ -418,6 +415,12 @@ class Learner:
                 return {}
             arrays = {k: v.detach().float().numpy() for k, v in state.items()}  # views of float32 weights
             return {k: a.copy() for k, a in arrays.items()} if copy or self.spec.zero_stage == 3 else arrays
+
+    def weights_nbytes(self, as_float32: bool) -> int:
+        """The bytes of the full weights, as float32 (what the object-store sync sends) or in the
+        model's dtypes (a broadcast). Every rank takes part (a ZeRO-3 gather needs every rank)."""
+        with self._full_weights() as state:
+            return sum(v.numel() * (4 if as_float32 else v.element_size()) for v in state.values())
 
     def open_weight_sync(self, host: str, port: int, world_size: int, backend: str):
         """Rank 0 hosts the weight-sync group (see actors/core/weight_sync.py); returns its layout."""

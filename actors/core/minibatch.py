@@ -3,7 +3,8 @@ learner and the critic train on what it cuts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,3 +46,65 @@ def minibatches(columns: Mapping[str, np.ndarray], size: int, seed: int, epochs:
     """
     n = len(next(iter(columns.values())))
     return [{k: v[rows] for k, v in columns.items()} for rows in minibatch_rows(n, size, seed, epochs)]
+
+
+def scored_tokens(columns: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`[N, T]`: the response tokens of the samples a reward scored (`scored` `[N]`; all when there
+    is no such column). Unscored samples stay out of every loss and normalizer.
+
+    >>> scored_tokens({"response_mask": np.array([[1, 1], [1, 0]]), "scored": np.array([False, True])}).tolist()
+    [[0, 0], [1, 0]]
+    """
+    mask = columns["response_mask"]
+    if "scored" in columns:
+        mask = mask * np.asarray(columns["scored"], dtype=np.int64)[:, None]
+    return mask
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One learner rank's rows of a minibatch (rank, rank + world size, ...), all that the rank
+    fetches, and what its losses need of the whole minibatch: how many rows it has, its scored
+    response tokens and the samples that have any (`pipelines.algos.losses.Normalizers`). A rank
+    with no rows of its own holds the minibatch's first row, `owned` 0, to run a pass without loss
+    (under ZeRO every rank takes part in every forward and backward)."""
+
+    columns: dict[str, np.ndarray]
+    owned: int  # rows of `columns` that are this rank's: all of them, or 0
+    rows: int  # the whole minibatch's
+    tokens: float = 0.0
+    sequences: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.columns.values())
+
+
+def shards(minibatch: Mapping[str, np.ndarray], world_size: int) -> list[Shard]:
+    """Each rank's `Shard` of a minibatch: rank r gets rows r, r + world_size, ...
+
+    >>> mb = {"response_mask": np.array([[1, 1], [1, 0], [0, 0]]), "x": np.arange(3)}
+    >>> [(s.columns["x"].tolist(), s.owned, s.rows, s.tokens, s.sequences) for s in shards(mb, 2)]
+    [([0, 2], 2, 3, 3.0, 2.0), ([1], 1, 3, 3.0, 2.0)]
+    >>> [(s.columns["x"].tolist(), s.owned) for s in shards({"x": np.arange(1)}, 2)]
+    [([0], 1), ([0], 0)]
+    """
+    rows = len(next(iter(minibatch.values())))
+    tokens = scored_tokens(minibatch).sum(axis=1) if "response_mask" in minibatch else np.zeros(0)
+    whole = {"rows": rows, "tokens": float(tokens.sum()), "sequences": float((tokens > 0).sum())}
+    out = []
+    for rank in range(world_size):
+        mine = np.arange(rank, rows, world_size)
+        columns = {k: v[mine if len(mine) else np.arange(1)] for k, v in minibatch.items()}
+        out.append(Shard(columns, owned=len(mine), **whole))
+    return out
+
+
+def joined(parts: Iterable[Shard]) -> dict[str, np.ndarray]:
+    """The rows of a minibatch's shards together again (rank by rank, not in the minibatch's order).
+
+    >>> joined(shards({"x": np.arange(5)}, 2))["x"].tolist()
+    [0, 2, 4, 1, 3]
+    """
+    parts = [p for p in parts if p.owned]
+    return {k: np.concatenate([p.columns[k] for p in parts]) for k in parts[0].columns}

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from actors.core.minibatch import scored_tokens
 from pipelines.algos.losses import logprobs_from_logits
 
 
@@ -46,10 +47,7 @@ def sequence_tensors(batch: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[
 def loss_mask(batch: Mapping[str, np.ndarray]) -> torch.Tensor:
     """`[N, T]`: the response tokens of the samples a reward scored (`scored` `[N]`; all when the
     batch has no such column). Unscored samples stay out of every loss and normalizer."""
-    mask = torch.from_numpy(batch["response_mask"])
-    if "scored" in batch:
-        mask = mask * torch.from_numpy(np.asarray(batch["scored"], dtype=np.int64))[:, None]
-    return mask
+    return torch.from_numpy(scored_tokens(batch))
 
 
 def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:

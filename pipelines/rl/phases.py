@@ -225,11 +225,14 @@ def store_learn_sync(
     alongside), sync weights. Returns the buffer's and the update's metrics and the phases' times."""
     training = cfg.training
     stored = roles.buffer.add.remote(step, batch, targets)  # a ref to the buffer's size after this step
-    # Refs to the step's minibatches (rows shuffled with the step's seed), which the learners and
-    # the critic fetch from the object store themselves; the driver never holds the data.
-    minibatches = minibatch_refs(roles.buffer, batch, targets, rows, training.minibatch_size, cfg.seed + step, training.epochs)
+    # Refs to each learner rank's shards of the step's minibatches (rows shuffled with the step's
+    # seed), which the ranks (and the critic, all of them) fetch from the object store
+    # themselves; the driver never holds the data.
+    minibatches = minibatch_refs(
+        roles.buffer, batch, targets, rows, training.minibatch_size, cfg.seed + step, training.epochs, len(roles.learners.actors)
+    )
     critic = roles.value.train_step.remote(minibatches) if roles.value else None
-    learned = roles.learners.run(update, minibatches, spec)[0]  # identical on every rank
+    learned = roles.learners.update(update, minibatches, spec)
     side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
     try:
@@ -240,7 +243,8 @@ def store_learn_sync(
         if not restart_engines(roles, range(len(roles.rollouts))):  # an engine died as it loaded them: give it the weights
             raise
     phases.done("sync")
-    return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **phases.metrics}
+    moved = {"sync_bytes": float(roles.weight_sync.push_bytes())}
+    return {**buffer_metrics(ray.get(stored)), **learned, **side_metrics, **moved, **phases.metrics}
 
 
 def reward_floor(cfg: RaypoConfig) -> float:

@@ -75,9 +75,16 @@ class RewardModelTrainer:
         encoded = self.pairs_ref(pairs)
         stored = self.buffer.add.remote(step, encoded, {})
         minibatches = minibatch_refs(
-            self.buffer, encoded, {}, len(pairs), training.minibatch_size, self.cfg.seed + step, training.epochs
+            self.buffer,
+            encoded,
+            {},
+            len(pairs),
+            training.minibatch_size,
+            self.cfg.seed + step,
+            training.epochs,
+            len(self.learners.actors),
         )
-        metrics = self.learners.run("rm_step", minibatches)[0]  # identical on every rank
+        metrics = self.learners.update("rm_step", minibatches)
         ray.get(stored)
         return metrics
 
