@@ -169,7 +169,7 @@ class EvalConfig(Strict):
     by `raypo eval`. A sample passes when its combined reward (before normalising) reaches
     `pass_threshold`."""
 
-    every: int = Field(0, ge=0, description="evaluate every N training steps (0 = only before and after)")
+    every: int = Field(0, ge=0, description="evaluate every N steps beside the next step (0 = only before and after)")
     pass_threshold: float | None = Field(
         None, description="combined reward that counts as a pass; empty = reward.value_range's top"
     )

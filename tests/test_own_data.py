@@ -97,8 +97,9 @@ def test_training_evaluates_on_the_heldout_file_before_and_after(own_run):
         assert set(ev) >= {"reward_mean", f"reward_mean/{tmp / 'reward.py'}:correct", "pass_rate", "pass_at_k"}
         assert ev["pass_rate"] == pytest.approx(ev["reward_mean"])  # one 0/1 term, threshold 1.0
     metrics = [json.loads(x) for x in (tmp / "runs" / "own" / "metrics.jsonl").read_text().splitlines()]
-    # eval.every=1: after step 0 (the last step's is eval_end)
-    assert metrics[0]["eval/problems"] == 20 and "eval/pass_at_k" in metrics[0] and "eval/problems" not in metrics[1]
+    # eval.every=1: of the weights after step 0 (the last step's is eval_end), run beside step 1 and reported with it
+    assert metrics[1]["eval/problems"] == 20 and "eval/pass_at_k" in metrics[1] and metrics[1]["eval/step"] == 1
+    assert "eval/problems" not in metrics[0]
     assert (tmp / "runs" / "own" / "eval_step_1.jsonl").is_file()
     per_sample = [json.loads(x) for x in (tmp / "runs" / "own" / "eval_end.jsonl").read_text().splitlines()]
     assert len(per_sample) == 20 and sum(r["passed"] for r in per_sample) / 20 == summary["eval_end"]["pass_rate"]

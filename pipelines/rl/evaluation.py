@@ -4,6 +4,7 @@ Both hand `pipelines.data.evaluate.evaluate_problems` the same three callables."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -32,20 +33,33 @@ def eval_seeds(cfg: RaypoConfig, prompts) -> list[int]:
 
 def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> tuple[dict, list[dict]]:
     """`evaluate_problems` on the first rollout engine (current weights) and the reward actor."""
+    return launch_evaluation(roles, cfg, problems)()
+
+
+def launch_evaluation(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> Callable[[], tuple[dict, list[dict]]]:
+    """`evaluate_with_roles` begun: the first engine's calls (greedy completions, and the pass@k
+    samples) are queued now, so they run with the weights it holds now, ahead of any weight sync
+    sent after them. Returns the rest (waiting for them, scoring, summing up), which a thread may
+    run while training goes on."""
     engine, max_tokens, k = roles.rollouts[0], eval_max_tokens(cfg, problems), cfg.eval.samples
+    prompts = [p.prompt for p in problems]
+    greedy_ref = engine.greedy.remote(prompts, max_tokens)
+    sampling = SamplingSpec(temperature=cfg.eval.temperature)
+    sample_ref = engine.generate.remote(prompts, k, sampling, max_tokens, eval_seeds(cfg, prompts)) if k > 0 else None
 
-    def greedy(prompts):
-        return ray.get(engine.greedy.remote(prompts, max_tokens))
+    def greedy(asked):
+        assert asked == prompts, "evaluate_problems asks for the prompts queued above"
+        return ray.get(greedy_ref)
 
-    def sample(prompts, n):
-        sampling = SamplingSpec(temperature=cfg.eval.temperature)
-        batch = ray.get(engine.generate.remote(prompts, n, sampling, max_tokens, eval_seeds(cfg, prompts)))
+    def sample(asked, n):
+        assert asked == prompts and n == k, "evaluate_problems asks for the samples queued above"
+        batch = ray.get(sample_ref)
         return _grouped(batch["response_text"], batch["prompt_index"], len(prompts))
 
     def score_terms(prompts, completions, fields):
         return ray.get(roles.reward.scores_by_term.remote(prompts, completions, fields))
 
-    return evaluate_problems(problems, greedy, score_terms, cfg.pass_threshold, sample, k)
+    return lambda: evaluate_problems(problems, greedy, score_terms, cfg.pass_threshold, sample, k)
 
 
 def reward_scorer(cfg: RaypoConfig) -> RewardScorer:

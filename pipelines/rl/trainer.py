@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
 from pipelines.rl.checkpoints import load_checkpoint, save_checkpoint
 from pipelines.rl.dpo import dpo_evaluate, dpo_step
-from pipelines.rl.evaluation import evaluate_with_roles
+from pipelines.rl.evaluation import launch_evaluation
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at, restart_engines
@@ -106,6 +107,7 @@ class Trainer:
         # where a refreshed reward model's Kendall tau is measured (the pairs raypo train-rm checks on)
         self.rm_heldout = heldout_pairs(self.eval_problems, cfg.seed) if cfg.reward.refresh_every else []
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir, placement, self.ckpt_root)
+        self._evaluations: ThreadPoolExecutor | None = None  # the thread that finishes evaluations run beside steps
         self.placement = placement.where()
         for where in self.placement:
             node = f"{where['node_ip']} {(where['node_id'] or '?')[-8:]}"
@@ -120,11 +122,25 @@ class Trainer:
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
         writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
+        finish = self._launch_evaluation()
+        return self._evaluated(label, finish())
+
+    def _launch_evaluation(self) -> Callable[[], tuple[dict, list[dict]]]:
+        """`launch_evaluation` with the current weights: what it needs of the learners (the
+        pipeline's own part, DPO's) is done now; returns the rest, as `launch_evaluation` does."""
         restart_engines(self.roles, [0])  # the evaluation's engine: with the current weights, if it was restarted
-        summary, rows = evaluate_with_roles(self.roles, self.cfg, self.eval_problems)
+        finish = launch_evaluation(self.roles, self.cfg, self.eval_problems)
+        extra = self.pipeline.evaluate(self.roles, self.cfg, self.eval_problems) if self.pipeline.evaluate else {}
+
+        def finished() -> tuple[dict, list[dict]]:
+            summary, rows = finish()
+            return summary | extra, rows
+
+        return finished
+
+    def _evaluated(self, label: str, result: tuple[dict, list[dict]]) -> dict:
+        summary, rows = result
         write_rows(self.out_dir / f"eval_{label}.jsonl", rows)
-        if self.pipeline.evaluate is not None:
-            summary |= self.pipeline.evaluate(self.roles, self.cfg, self.eval_problems)
         return summary
 
     # ------------------------------------------------------------------ the loop
@@ -152,6 +168,8 @@ class Trainer:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
+            if self._evaluations is not None:  # one still running (the loop stopped on an error) is not waited for
+                self._evaluations.shutdown(wait=False, cancel_futures=True)
         ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state, cfg.training.keep_checkpoints)
         final = storage.join(self.location, "final")
         storage.copy_dir(storage.join(ckpt, "policy"), final)
@@ -193,6 +211,8 @@ class Trainer:
         self.roles.ahead.clear()
         # Running ahead, the engines are busy with the next step's batch now: they are watched when it is collected.
         watched = [role for role in self.roles.watch.actors if not (ahead and role.startswith("rollout-"))]
+        # An evaluation every `eval.every` steps runs beside the next step (`_evaluate_beside`): (its step, its result).
+        evaluating: tuple[int, Future] | None = None
         for step in range(start_step, cfg.training.steps):
             metrics = self._one_step(step, self._prompts(step, stream))
             if guard.record(metrics):
@@ -204,8 +224,13 @@ class Trainer:
             metrics["actor_restarts"] = self.roles.watch.total()
             if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                 metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
+            if evaluating is not None:  # the one begun after the step before, reported with this step's metrics
+                done_at, result = evaluating
+                evaluating = None
+                metrics |= {f"eval/{k}": v for k, v in self._evaluated(f"step_{done_at}", result.result()).items()}
+                metrics["eval/step"] = done_at
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
-                metrics |= {f"eval/{k}": v for k, v in self.evaluate(f"step_{step + 1}").items()}
+                evaluating = (step + 1, self._evaluate_beside())
             metrics["alerts"] = alerts.check(metrics)
             for alert in alerts.to_print(step, metrics["alerts"]):
                 bar.write(f"warning: step {step}: {alert}")
@@ -220,6 +245,14 @@ class Trainer:
                 save_checkpoint(self.roles, self.ckpt_root, step + 1, state, cfg.training.keep_checkpoints, streak_from)
                 self.upload()
         return max(cfg.training.steps, start_step)
+
+    def _evaluate_beside(self) -> Future:
+        """The evaluation of the current weights, off the step loop's path: the engine's calls are
+        queued now (before the next step's), the waiting and the scoring happen in a thread, and the
+        loop takes the result after the next step."""
+        if self._evaluations is None:
+            self._evaluations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypo-eval")
+        return self._evaluations.submit(self._launch_evaluation())
 
     def _prompts(self, step: int, stream: Iterator[Problem]) -> list[Problem]:
         """The prompts of `step`, drawn from `stream` with those of the steps sampled ahead of it

@@ -152,8 +152,8 @@ def run_trial(params: dict, sweep: SweepConfig, base: str) -> None:
 
     def report(metrics: dict) -> None:
         key = f"eval/{sweep.metric}"
-        if key in metrics:
-            tune.report({"step": metrics["step"] + 1, sweep.metric: metrics[key], "reward_mean": metrics.get("reward_mean")})
+        if key in metrics:  # an evaluation of the weights after `eval/step` steps, reported with the next step's metrics
+            tune.report({"step": metrics["eval/step"], sweep.metric: metrics[key], "reward_mean": metrics.get("reward_mean")})
 
     summary = train(cfg, on_metrics=report, trial_group=get_current_placement_group())
     tune.report({"step": summary["steps"], sweep.metric: summary["eval_end"][sweep.metric], FINISHED: True})
