@@ -37,10 +37,11 @@ def test_train_runs_under_ray_job_submission(tiny_model, tmp_path):
         ray.shutdown()
 
 
-def _submit_when_the_job_agent_is_up(client, entrypoint: str, wait_s: float = 90) -> str:
+def _submit_when_the_job_agent_is_up(client, entrypoint: str, wait_s: float = 180) -> str:
     """Ray's job agent registers a while after the head starts (longer on a busy 2-core machine);
     until then a submission is refused with "No available agent to submit job, please try again
-    later", so try again, as the message asks, for up to `wait_s`."""
+    later", so try again, as the message asks, for up to `wait_s` (90 s was too short once, with a
+    second test run beside it)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
