@@ -60,6 +60,9 @@ class Roles:
     # training (step -> problems, drawn by the driver) and their rl/phases.py Generations once launched.
     upcoming: dict = field(default_factory=dict)
     ahead: dict = field(default_factory=dict)
+    # Work for the first engine once a step's batch is generated, to run while the learners train
+    # (the driver's evaluation beside the step): called by rl/phases.py's rollout_and_score, once.
+    after_generation: list = field(default_factory=list)
 
     def rebuild_learners(self, spec: LearnerSpec) -> None:
         """A new learner group in the bundles of the old one (stopped: a rank died), wired to the engines."""

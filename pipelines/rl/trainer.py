@@ -213,6 +213,7 @@ class Trainer:
         watched = [role for role in self.roles.watch.actors if not (ahead and role.startswith("rollout-"))]
         # An evaluation every `eval.every` steps runs beside the next step (`_evaluate_beside`): (its step, its result).
         evaluating: tuple[int, Future] | None = None
+        self.roles.after_generation.clear()
         for step in range(start_step, cfg.training.steps):
             metrics = self._one_step(step, self._prompts(step, stream))
             if guard.record(metrics):
@@ -225,10 +226,8 @@ class Trainer:
             if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
                 metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
             if evaluating is not None:  # the one begun after the step before, reported with this step's metrics
-                done_at, result = evaluating
+                metrics |= self._evaluated_beside(*evaluating)
                 evaluating = None
-                metrics |= {f"eval/{k}": v for k, v in self._evaluated(f"step_{done_at}", result.result()).items()}
-                metrics["eval/step"] = done_at
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
                 evaluating = (step + 1, self._evaluate_beside())
             metrics["alerts"] = alerts.check(metrics)
@@ -247,12 +246,27 @@ class Trainer:
         return max(cfg.training.steps, start_step)
 
     def _evaluate_beside(self) -> Future:
-        """The evaluation of the current weights, off the step loop's path: the engine's calls are
-        queued now (before the next step's), the waiting and the scoring happen in a thread, and the
-        loop takes the result after the next step."""
+        """The evaluation of the current weights, off the step loop's path, beside the next step:
+        the first engine's calls are queued once that step's batch is generated, behind it (and a
+        batch sampled ahead) and ahead of the weight sync, so they run on these weights while the
+        learners train; a thread waits for them and scores them, and the loop takes the result
+        after that step. An algorithm that generates nothing (DPO) queues them at once."""
         if self._evaluations is None:
             self._evaluations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypo-eval")
-        return self._evaluations.submit(self._launch_evaluation())
+        result: Future = Future()
+
+        def launch() -> None:
+            self._evaluations.submit(_settle, result, self._launch_evaluation())
+
+        self.roles.after_generation.append(launch) if self.cfg.algo.generates else launch()
+        return result
+
+    def _evaluated_beside(self, done_at: int, result: Future) -> dict:
+        """The metrics of the evaluation begun after step `done_at` (`_evaluate_beside`), once done."""
+        while self.roles.after_generation:  # not queued yet (a step that generated nothing): now
+            self.roles.after_generation.pop(0)()
+        summary = self._evaluated(f"step_{done_at}", result.result())
+        return {f"eval/{k}": v for k, v in summary.items()} | {"eval/step": done_at}
 
     def _prompts(self, step: int, stream: Iterator[Problem]) -> list[Problem]:
         """The prompts of `step`, drawn from `stream` with those of the steps sampled ahead of it
@@ -334,6 +348,14 @@ class Trainer:
             out["staleness"] = step - metrics["weights_version"]
             out["rollout_overlap"] = min(1.0, max(0.0, 1.0 - metrics["time_generate"] / busy))
         return out
+
+
+def _settle(future: Future, work: Callable[[], object]) -> None:
+    """Run `work`, giving `future` its result or its error."""
+    try:
+        future.set_result(work())
+    except BaseException as err:
+        future.set_exception(err)
 
 
 def _describe_failure(err: BaseException) -> str:
