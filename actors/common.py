@@ -44,18 +44,23 @@ def threads_for(cpus: float) -> int:
 
 class Fetched:
     """Each ref's value (or each list of refs' values), fetched when the loop reaches it, so one
-    minibatch is in memory at a time, counting what the fetches moved: `bytes` of arrays and
+    minibatch is in memory at a time, counting what the fetches moved: `bytes` of arrays (an
+    object fetched again, a later epoch's, counts once: it is already on this node) and
     `seconds` spent in them."""
 
     def __init__(self, refs: Iterable[ray.ObjectRef | list[ray.ObjectRef]]):
         self.refs, self.bytes, self.seconds = list(refs), 0, 0.0
 
     def __iter__(self) -> Iterator:
+        seen = set()
         for ref in self.refs:
             start = time.perf_counter()
             value = ray.get(ref)
             self.seconds += time.perf_counter() - start
-            self.bytes += nbytes(value)
+            key = tuple(ref) if isinstance(ref, list) else ref
+            if key not in seen:
+                seen.add(key)
+                self.bytes += nbytes(value)
             yield value
 
     def metrics(self) -> dict[str, float]:

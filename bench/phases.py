@@ -12,9 +12,9 @@ shared and noisy.
 
 Then the bytes each step moves between roles: the experience the buffer holds (the rollout
 batch and its targets, put into the object store once), what the learner ranks fetch of it
-(each its own rows of each minibatch; a pass more over the same minibatches fetches them
-again), and the weights each sync delivers to the engines; with the learners' fetch time and
-the sync time as shares of the step.
+(each its own rows of each minibatch, once however many passes), and the weights each sync
+delivers to the engines; with the learners' fetch time and the sync time as shares of the step
+(a step with an evaluation beside it also waits in the sync for the evaluation's engine calls).
 
 Then, per run, the learner's achieved FLOP/s: the FLOPs the policy loss needs (forward and
 backward, 6 x the decoder's parameters x the real tokens, each distinct prompt counted once

@@ -66,8 +66,9 @@ class Shard:
     """One learner rank's rows of a minibatch (rank, rank + world size, ...), all that the rank
     fetches, and what its losses need of the whole minibatch: how many rows it has, its scored
     response tokens and the samples that have any (`pipelines.algos.losses.Normalizers`). A rank
-    with no rows of its own holds the minibatch's first row, `owned` 0, to run a pass without loss
-    (under ZeRO every rank takes part in every forward and backward)."""
+    with no rows of its own holds the minibatch's first row, `owned` 0: the policy update runs it
+    without loss (under ZeRO every rank takes part in every forward and backward); DPO and
+    reward-model updates run an empty pass."""
 
     columns: dict[str, np.ndarray]
     owned: int  # rows of `columns` that are this rank's: all of them, or 0

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +107,6 @@ class Trainer:
         # where a refreshed reward model's Kendall tau is measured (the pairs raypo train-rm checks on)
         self.rm_heldout = heldout_pairs(self.eval_problems, cfg.seed) if cfg.reward.refresh_every else []
         self.roles: Roles = build_roles(cfg, model_dir, self.out_dir, placement, self.ckpt_root)
-        self._evaluations: ThreadPoolExecutor | None = None  # the thread that finishes evaluations run beside steps
         self.placement = placement.where()
         for where in self.placement:
             node = f"{where['node_ip']} {(where['node_id'] or '?')[-8:]}"
@@ -168,8 +167,6 @@ class Trainer:
             bar.close()
             sinks.plot_rewards() if sinks.history else None
             sinks.close()
-            if self._evaluations is not None:  # one still running (the loop stopped on an error) is not waited for
-                self._evaluations.shutdown(wait=False, cancel_futures=True)
         ckpt = save_checkpoint(self.roles, self.ckpt_root, end_step, state, cfg.training.keep_checkpoints)
         final = storage.join(self.location, "final")
         storage.copy_dir(storage.join(ckpt, "policy"), final)
@@ -212,8 +209,7 @@ class Trainer:
         # Running ahead, the engines are busy with the next step's batch now: they are watched when it is collected.
         watched = [role for role in self.roles.watch.actors if not (ahead and role.startswith("rollout-"))]
         # An evaluation every `eval.every` steps runs beside the next step (`_evaluate_beside`): (its step, its result).
-        evaluating: tuple[int, Future] | None = None
-        self.roles.after_generation.clear()
+        evaluating = self._evaluation_owed(start_step)
         for step in range(start_step, cfg.training.steps):
             metrics = self._one_step(step, self._prompts(step, stream))
             if guard.record(metrics):
@@ -223,11 +219,11 @@ class Trainer:
                 restart_engines(self.roles, range(len(self.roles.rollouts)))  # an engine restarted since: the current weights
             self.roles.watch.restarted(watched)  # logs the roles Ray restarted during the step (it re-ran their calls)
             metrics["actor_restarts"] = self.roles.watch.total()
-            if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
-                metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
-            if evaluating is not None:  # the one begun after the step before, reported with this step's metrics
+            if evaluating is not None:  # the one begun after the step before (scored before a reward refresh)
                 metrics |= self._evaluated_beside(*evaluating)
                 evaluating = None
+            if cfg.reward.refresh_every and (step + 1) % cfg.reward.refresh_every == 0:
+                metrics |= ray.get(self.roles.reward.refresh.remote(self.rm_heldout))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.training.steps:
                 evaluating = (step + 1, self._evaluate_beside())
             metrics["alerts"] = alerts.check(metrics)
@@ -251,22 +247,39 @@ class Trainer:
         batch sampled ahead) and ahead of the weight sync, so they run on these weights while the
         learners train; a thread waits for them and scores them, and the loop takes the result
         after that step. An algorithm that generates nothing (DPO) queues them at once."""
-        if self._evaluations is None:
-            self._evaluations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypo-eval")
         result: Future = Future()
 
         def launch() -> None:
-            self._evaluations.submit(_settle, result, self._launch_evaluation())
+            finish = self._launch_evaluation()
+            # a daemon: one waiting on an engine that hangs does not keep the process from exiting
+            threading.Thread(target=_settle, args=(result, finish), name="raypo-eval", daemon=True).start()
 
         self.roles.after_generation.append(launch) if self.cfg.algo.generates else launch()
         return result
 
     def _evaluated_beside(self, done_at: int, result: Future) -> dict:
-        """The metrics of the evaluation begun after step `done_at` (`_evaluate_beside`), once done."""
+        """The metrics of the evaluation begun after step `done_at` (`_evaluate_beside`), once done.
+        One whose engine or reward actor died under it is lost, said on stderr (`eval/failed`):
+        Ray restarts the actor, and the run goes on."""
         while self.roles.after_generation:  # not queued yet (a step that generated nothing): now
             self.roles.after_generation.pop(0)()
-        summary = self._evaluated(f"step_{done_at}", result.result())
+        try:
+            summary = self._evaluated(f"step_{done_at}", result.result())
+        except rex.RayActorError as err:
+            cause = str(err).splitlines()[0][:300]
+            print(f"warning: the evaluation of step {done_at} is lost: an actor it ran on died ({cause})", file=sys.stderr)
+            return {"eval/failed": 1.0, "eval/step": done_at}
         return {f"eval/{k}": v for k, v in summary.items()} | {"eval/step": done_at}
+
+    def _evaluation_owed(self, start_step: int) -> tuple[int, Future] | None:
+        """Taking up at `start_step` (a resume, a rebuilt learner group): the evaluation due after
+        the step before, which the run that saved the checkpoint began but had not reported yet,
+        begins again (its metrics go with the step it runs beside, as always)."""
+        every = self.cfg.eval.every
+        self.roles.after_generation.clear()
+        if every and 0 < start_step < self.cfg.training.steps and start_step % every == 0:
+            return start_step, self._evaluate_beside()
+        return None
 
     def _prompts(self, step: int, stream: Iterator[Problem]) -> list[Problem]:
         """The prompts of `step`, drawn from `stream` with those of the steps sampled ahead of it
