@@ -41,6 +41,16 @@ def _update_towards_first_half(learner):
     return step, metrics, learner.logprobs(batch) - before
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _gloo_world_ends_with_the_module():
+    """The Learners here join one gloo world in this process: it is torn down when the module's
+    tests are done, not left to the interpreter's exit (a CI run that passed every test once
+    crashed there with a segmentation fault, a live process group being the likely cause)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def learner(tiny_model):
     return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
