@@ -19,7 +19,6 @@ class ActorGroup:
     def run_async(self, method: str, *args, each: Sequence | None = None, **kwargs) -> list[ray.ObjectRef]:
         if each is None:
             return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
-        assert len(each) == len(self.actors), (len(each), len(self.actors))
         return [getattr(actor, method).remote(own, *args, **kwargs) for actor, own in zip(self.actors, each, strict=True)]
 
     def run(self, method: str, *args, **kwargs) -> list:

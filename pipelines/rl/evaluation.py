@@ -31,16 +31,11 @@ def eval_seeds(cfg: RaypoConfig, prompts) -> list[int]:
     return prompt_seeds(cfg.seed, 0, len(prompts), EVALUATION)
 
 
-def evaluate_with_roles(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> tuple[dict, list[dict]]:
-    """`evaluate_problems` on the first rollout engine (current weights) and the reward actor."""
-    return launch_evaluation(roles, cfg, problems)()
-
-
 def launch_evaluation(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> Callable[[], tuple[dict, list[dict]]]:
-    """`evaluate_with_roles` begun: the first engine's calls (greedy completions, and the pass@k
-    samples) are queued now, so they run with the weights it holds now, ahead of any weight sync
-    sent after them. Returns the rest (waiting for them, scoring, summing up), which a thread may
-    run while training goes on."""
+    """`evaluate_problems` on the first rollout engine and the reward actor, begun: the engine's
+    calls (greedy completions, and the pass@k samples) are queued now, so they run with the
+    weights it holds now, ahead of any weight sync sent after them. Returns the rest (waiting for
+    them, scoring, summing up), which a thread may run while training goes on."""
     engine, max_tokens, k = roles.rollouts[0], eval_max_tokens(cfg, problems), cfg.eval.samples
     prompts = [p.prompt for p in problems]
     greedy_ref = engine.greedy.remote(prompts, max_tokens)

@@ -166,8 +166,7 @@ def rollout_and_score(roles: Roles, cfg: RaypoConfig, step: int, problems: list[
     # The next steps' batches are sampled while this one learns (algo.off_policy_steps); not
     # sooner, where the engines would share the CPUs with the reference and the critic too.
     launch_ahead(roles, cfg)
-    while roles.after_generation:
-        roles.after_generation.pop(0)()
+    roles.generated()
     return batch, scores, reference_logprobs, values
 
 

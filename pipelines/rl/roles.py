@@ -61,8 +61,14 @@ class Roles:
     upcoming: dict = field(default_factory=dict)
     ahead: dict = field(default_factory=dict)
     # Work for the first engine once a step's batch is generated, to run while the learners train
-    # (the driver's evaluation beside the step): called by rl/phases.py's rollout_and_score, once.
+    # (the driver's evaluation beside the step): started by `generated`, once.
     after_generation: list = field(default_factory=list)
+
+    def generated(self) -> None:
+        """A step's batch is generated (rl/phases.py's rollout_and_score), or none will be: start
+        the work waiting for that (`after_generation`)."""
+        while self.after_generation:
+            self.after_generation.pop(0)()
 
     def rebuild_learners(self, spec: LearnerSpec) -> None:
         """A new learner group in the bundles of the old one (stopped: a rank died), wired to the engines."""

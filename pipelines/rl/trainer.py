@@ -261,8 +261,7 @@ class Trainer:
         """The metrics of the evaluation begun after step `done_at` (`_evaluate_beside`), once done.
         One whose engine or reward actor died under it is lost, said on stderr (`eval/failed`):
         Ray restarts the actor, and the run goes on."""
-        while self.roles.after_generation:  # not queued yet (a step that generated nothing): now
-            self.roles.after_generation.pop(0)()
+        self.roles.generated()  # not queued yet (a step that generated nothing): now
         try:
             summary = self._evaluated(f"step_{done_at}", result.result())
         except rex.RayActorError as err:
