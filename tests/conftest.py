@@ -74,14 +74,36 @@ def vllm_greedy(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
     """vLLM's greedy continuations of `prompts`, from `python -m pipelines.models.vllm_engine` in its
     own process (vLLM wants to be created under `__main__`)."""
     env = {**os.environ, "RAYPO_MAX_TOKENS": str(max_tokens)}
-    run = subprocess.run(
-        [*RAYPO[:2], "pipelines.models.vllm_engine", str(model_dir), *prompts],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
+    return _printed_json([*RAYPO[:2], "pipelines.models.vllm_engine", str(model_dir), *prompts], env)
+
+
+SAMPLED_TWICE = """
+import json, sys
+from actors.core.generator import Generator
+from pipelines.algos.sampling import SamplingSpec
+from pipelines.models.vllm_engine import sample
+model_dir, max_tokens, temperature, prompts = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+generator, seeds = Generator(model_dir), list(range(len(prompts)))
+ours = generator.generate(prompts, n=4, sampling=SamplingSpec(temperature=temperature), max_tokens=max_tokens, seeds=seeds)
+engine = sample(generator.llm, prompts, 4, temperature, max_tokens, seeds)
+print("RAYPO_JSON " + json.dumps({
+    "ours": [str(t) for t in ours["response_text"]], "engine": [t for texts in engine for t in texts],
+    "finished": [bool(f) for f in ours["finished"]],
+}))
+"""
+
+
+def decoded_after_and_by_the_engine(model_dir, prompts: list[str], max_tokens: int, temperature: float) -> dict[str, list]:
+    """The same seeded samples (4 per prompt) twice from one vLLM engine in its own process:
+    `ours`, the texts `Generator.generate` decodes after sampling, and `engine`, the texts vLLM
+    decodes as it samples (`vllm_engine.sample`); `finished`: stopped by EOS."""
+    command = [sys.executable, "-c", SAMPLED_TWICE, str(model_dir), str(max_tokens), str(temperature), *prompts]
+    return _printed_json(command, dict(os.environ))
+
+
+def _printed_json(command: list[str], env: dict[str, str]):
+    """The JSON a subprocess printed after `RAYPO_JSON `."""
+    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(x for x in run.stdout.splitlines() if x.startswith("RAYPO_JSON "))
     return json.loads(line.removeprefix("RAYPO_JSON "))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import decoded_after_and_by_the_engine
 
 from actors.buffer import ExperienceBuffer, minibatch_refs
 from actors.core.learner import LearnerSpec
@@ -124,6 +125,15 @@ def _sample_streams(rollout, seeds: list[int]) -> np.ndarray:
     warm-started tiny model is nearly certain at 1)."""
     batch = ray.get(rollout.generate.remote(["5+"] * len(seeds), 4, SamplingSpec(temperature=2.0), 12, seeds))
     return np.array(batch["response_text"], dtype=object).reshape(len(seeds), 4)
+
+
+def test_samples_decoded_after_sampling_read_as_the_engine_decodes_them(tiny_model, problems):
+    """The rollout decodes its samples after sampling, not vLLM as it samples: the same samples'
+    texts are the engine's own, for those an EOS ended (left out of the text) and those cut at
+    `max_tokens` alike."""
+    texts = decoded_after_and_by_the_engine(tiny_model[0], [p.prompt for p in problems], 3, temperature=1.0)
+    assert texts["ours"] == texts["engine"]
+    assert any(texts["finished"]) and not all(texts["finished"])
 
 
 def test_prompts_of_one_call_draw_independent_samples(rollout):

@@ -8,7 +8,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import RAYPO, ROOT, vllm_greedy
+from conftest import RAYPO, ROOT, decoded_after_and_by_the_engine, vllm_greedy
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "What is 12 + 7? Answer with the number only."]
@@ -44,6 +44,18 @@ def test_transformers_and_vllm_give_the_same_greedy_chat_answers(smollm2):
     vllm = vllm_greedy(out, prompts, MAX_TOKENS)
     assert vllm == hf
     assert "Paris" in hf[0]  # a sensible chat answer, not noise
+
+
+def test_samples_decoded_after_sampling_read_as_the_engine_decodes_them(smollm2):
+    """The rollout decodes its samples after sampling (`Generator.generate`), not vLLM as it
+    samples: SmolLM2's byte-level BPE (spaces, multi-byte characters split over tokens, a chat
+    template's special tokens) decodes to the very text the engine gives for the same samples."""
+    out, _ = smollm2
+    chat = "<|im_start|>user\nSay hi with an emoji<|im_end|>\n<|im_start|>assistant\n"
+    prompts = ["Write a word in French with an accent:", chat]
+    texts = decoded_after_and_by_the_engine(out, prompts, 16, temperature=1.5)
+    assert texts["ours"] == texts["engine"]
+    assert len(set(texts["ours"])) > 4 and any(any(ord(c) > 127 for c in t) for t in texts["ours"])
 
 
 def test_import_errors_name_the_file(tmp_path, smollm2):

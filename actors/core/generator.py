@@ -10,6 +10,7 @@ way (pipelines/algos/sampling.py).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -27,6 +28,8 @@ class Generator:
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.8,
     ):
+        from vllm.v1.engine.detokenizer import uses_fast_detokenizer  # heavy: only where an engine is made
+
         self.model_dir = str(model_dir)
         self.llm = make_llm(
             self.model_dir,
@@ -37,6 +40,8 @@ class Generator:
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # A fast tokenizer's samples are decoded after sampling (`response_texts`), a slow one's by the engine as it samples.
+        self.decodes_after = uses_fast_detokenizer(self.tokenizer)
         self.weights_version = 0
 
     def generate(
@@ -55,9 +60,13 @@ class Generator:
         `behaviour_logprobs` [N, T] float32, `prompt_index` [N]; and object arrays
         `prompt_text`, `response_text`, `finished` (stopped by EOS rather than length).
         """
-        params = sampling_params(n, sampling or SamplingSpec(), max_tokens, seeds, len(prompts), logprobs=0)
+        params = sampling_params(n, sampling or SamplingSpec(), max_tokens, seeds, len(prompts), 0, not self.decodes_after)
         outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
         rows = [(i, out.prompt_token_ids, sample) for i, out in enumerate(outputs) for sample in out.outputs]
+        if self.decodes_after:
+            texts = response_texts(self.tokenizer, [(prompt_ids, sample) for _, prompt_ids, sample in rows], params[0])
+        else:
+            texts = [sample.text for _, _, sample in rows]
         P = max(len(p) for _, p, _ in rows)
         T = max(1, max(len(s.token_ids) for _, _, s in rows))
         N = len(rows)
@@ -78,7 +87,7 @@ class Generator:
             batch["response_mask"][r, : len(ids)] = 1
             batch["behaviour_logprobs"][r, : len(ids)] = [lp[tok].logprob for lp, tok in zip(sample.logprobs, ids, strict=True)]
         batch["prompt_text"] = np.array([prompts[i] for i, _, _ in rows], dtype=object)
-        batch["response_text"] = np.array([s.text for _, _, s in rows], dtype=object)
+        batch["response_text"] = np.array(texts, dtype=object)
         batch["finished"] = np.array([s.finish_reason == "stop" for _, _, s in rows])
         return batch
 
@@ -118,3 +127,25 @@ class Generator:
 
         self.llm.collective_rpc(reload)
         return self._weights_loaded(version)
+
+
+def response_texts(tokenizer, samples: Sequence[tuple[Sequence[int], object]], params) -> list[str]:
+    """The text of each sampled response `(prompt_ids, vLLM CompletionOutput)` exactly as the
+    engine would have decoded it with `params` (a `SamplingParams`, no stop strings): vLLM's own
+    `FastIncrementalDetokenizer`, primed with the prompt, fed the response at once (the stop token
+    that ended it left out, as the engine does), once per distinct (prompt, response) of a batch.
+    The engine decoding every token of every sample as it goes took ~10% of a tiny-model
+    generation; a batch's samples repeat (a group shares its prompt, short answers coincide)."""
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer  # heavy: only where an engine exists
+
+    texts: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
+    out = []
+    for prompt_ids, sample in samples:
+        key = (tuple(prompt_ids), tuple(sample.token_ids), sample.finish_reason == "stop")
+        if key not in texts:
+            request = SimpleNamespace(request_id="", prompt_token_ids=list(prompt_ids), sampling_params=params)
+            detokenizer = FastIncrementalDetokenizer(tokenizer, request)
+            detokenizer.update(list(sample.token_ids), stop_terminated=key[2])
+            texts[key] = detokenizer.get_next_output_text(finished=True, delta=False)
+        out.append(texts[key])
+    return out

@@ -64,11 +64,18 @@ def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
 
 
 def sampling_params(
-    n: int, sampling: SamplingSpec, max_tokens: int, seeds: Sequence[int] | None, prompts: int, logprobs: int | None = None
+    n: int,
+    sampling: SamplingSpec,
+    max_tokens: int,
+    seeds: Sequence[int] | None,
+    prompts: int,
+    logprobs: int | None = None,
+    detokenize: bool = True,
 ) -> list:
     """One `SamplingParams` per prompt, each with its own seed (`seeds[i]`, e.g. from
     `pipelines.algos.sampling.prompt_seeds`): vLLM seeds sample j of a request `seed + j`, so a
-    seed shared by every prompt would give sample j of each the same random numbers."""
+    seed shared by every prompt would give sample j of each the same random numbers.
+    `detokenize=False`: the outputs carry token ids only (the caller decodes them)."""
     from vllm import SamplingParams  # heavy: only where an engine exists
 
     if seeds is not None and len(seeds) != prompts:
@@ -82,6 +89,7 @@ def sampling_params(
             max_tokens=max_tokens,
             logprobs=logprobs,
             seed=None if seeds is None else int(seeds[i]),
+            detokenize=detokenize,
         )
         for i in range(prompts)
     ]
