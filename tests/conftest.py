@@ -77,27 +77,37 @@ def vllm_greedy(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
     return _printed_json([*RAYPO[:2], "pipelines.models.vllm_engine", str(model_dir), *prompts], env)
 
 
-SAMPLED_TWICE = """
+DECODED_TWICE = """
 import json, sys
-from actors.core.generator import Generator
+from actors.core.generator import Generator, response_texts
 from pipelines.algos.sampling import SamplingSpec
-from pipelines.models.vllm_engine import sample
+from pipelines.models.vllm_engine import sampling_params
 model_dir, max_tokens, temperature, prompts = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
-generator, seeds = Generator(model_dir), list(range(len(prompts)))
-ours = generator.generate(prompts, n=4, sampling=SamplingSpec(temperature=temperature), max_tokens=max_tokens, seeds=seeds)
-engine = sample(generator.llm, prompts, 4, temperature, max_tokens, seeds)
+generator = Generator(model_dir)
+assert generator.decodes_after, "the rollout would not decode after sampling with this tokenizer"
+params = sampling_params(4, SamplingSpec(temperature=temperature), max_tokens, range(len(prompts)), len(prompts), 0)
+samples = [(o.prompt_token_ids, s) for o in generator.llm.generate(prompts, params, use_tqdm=False) for s in o.outputs]
+special = set(generator.tokenizer.all_special_ids)
+plain = next(t for _, s in samples for t in s.token_ids if t not in special)
+for p in params:  # again, a plain token (one the text shows) stopping the samples too, which the text leaves out
+    p.stop_token_ids = [plain]
+stopped = [(o.prompt_token_ids, s) for o in generator.llm.generate(prompts, params, use_tqdm=False) for s in o.outputs]
 print("RAYPO_JSON " + json.dumps({
-    "ours": [str(t) for t in ours["response_text"]], "engine": [t for texts in engine for t in texts],
-    "finished": [bool(f) for f in ours["finished"]],
+    "ours": response_texts(generator.tokenizer, samples + stopped, params[0]),
+    "engine": [s.text for _, s in samples + stopped],
+    "finished": [s.finish_reason == "stop" for _, s in samples],
+    "stopped_on_plain": sum(s.finish_reason == "stop" and s.token_ids[-1] == plain for _, s in stopped),
 }))
 """
 
 
 def decoded_after_and_by_the_engine(model_dir, prompts: list[str], max_tokens: int, temperature: float) -> dict[str, list]:
-    """The same seeded samples (4 per prompt) twice from one vLLM engine in its own process:
-    `ours`, the texts `Generator.generate` decodes after sampling, and `engine`, the texts vLLM
-    decodes as it samples (`vllm_engine.sample`); `finished`: stopped by EOS."""
-    command = [sys.executable, "-c", SAMPLED_TWICE, str(model_dir), str(max_tokens), str(temperature), *prompts]
+    """Seeded samples (4 per prompt) from a rollout's vLLM engine in its own process, decoded as
+    the engine samples them (`engine`, their `CompletionOutput.text`) and after sampling, as the
+    rollout decodes them (`ours`, `actors.core.generator.response_texts`). Sampled twice: as the
+    rollout samples (`finished`: stopped by EOS), and again with a plain token, one the text
+    shows, as a stop token too (`stopped_on_plain`: the samples it stopped)."""
+    command = [sys.executable, "-c", DECODED_TWICE, str(model_dir), str(max_tokens), str(temperature), *prompts]
     return _printed_json(command, dict(os.environ))
 
 

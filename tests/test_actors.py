@@ -129,11 +129,11 @@ def _sample_streams(rollout, seeds: list[int]) -> np.ndarray:
 
 def test_samples_decoded_after_sampling_read_as_the_engine_decodes_them(tiny_model, problems):
     """The rollout decodes its samples after sampling, not vLLM as it samples: the same samples'
-    texts are the engine's own, for those an EOS ended (left out of the text) and those cut at
-    `max_tokens` alike."""
+    texts are the engine's own, for those an EOS ended, those cut at `max_tokens`, and those a
+    plain token (one the text would show) stopped, which the engine leaves out of the text."""
     texts = decoded_after_and_by_the_engine(tiny_model[0], [p.prompt for p in problems], 3, temperature=1.0)
     assert texts["ours"] == texts["engine"]
-    assert any(texts["finished"]) and not all(texts["finished"])
+    assert any(texts["finished"]) and not all(texts["finished"]) and texts["stopped_on_plain"] > 0
 
 
 def test_prompts_of_one_call_draw_independent_samples(rollout):

@@ -54,7 +54,7 @@ def test_samples_decoded_after_sampling_read_as_the_engine_decodes_them(smollm2)
     chat = "<|im_start|>user\nSay hi with an emoji<|im_end|>\n<|im_start|>assistant\n"
     prompts = ["Write a word in French with an accent:", chat]
     texts = decoded_after_and_by_the_engine(out, prompts, 16, temperature=1.5)
-    assert texts["ours"] == texts["engine"]
+    assert texts["ours"] == texts["engine"] and texts["stopped_on_plain"] > 0
     assert len(set(texts["ours"])) > 4 and any(any(ord(c) > 127 for c in t) for t in texts["ours"])
 
 

@@ -9,6 +9,7 @@ way (pipelines/algos/sampling.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 
@@ -40,8 +41,11 @@ class Generator:
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
-        # A fast tokenizer's samples are decoded after sampling (`response_texts`), a slow one's by the engine as it samples.
-        self.decodes_after = uses_fast_detokenizer(self.tokenizer)
+        # An engine in this process (on CPU) decoding as it samples takes the time from sampling: its
+        # samples are decoded after (`response_texts`), unless the tokenizer is a slow one. An engine in
+        # a process of its own (on GPU) decodes here, beside its forward passes, as it samples.
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.decodes_after = in_process and uses_fast_detokenizer(self.tokenizer)
         self.weights_version = 0
 
     def generate(
@@ -134,8 +138,8 @@ def response_texts(tokenizer, samples: Sequence[tuple[Sequence[int], object]], p
     engine would have decoded it with `params` (a `SamplingParams`, no stop strings): vLLM's own
     `FastIncrementalDetokenizer`, primed with the prompt, fed the response at once (the stop token
     that ended it left out, as the engine does), once per distinct (prompt, response) of a batch.
-    The engine decoding every token of every sample as it goes took ~10% of a tiny-model
-    generation; a batch's samples repeat (a group shares its prompt, short answers coincide)."""
+    An engine in this process decoding every token of every sample as it goes took ~6% of a
+    tiny-model generation; a batch's samples repeat (a group shares its prompt, short answers coincide)."""
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer  # heavy: only where an engine exists
 
     texts: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
