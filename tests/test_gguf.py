@@ -47,8 +47,8 @@ def test_transformers_and_vllm_give_the_same_greedy_chat_answers(smollm2):
 
 
 def test_samples_decoded_after_sampling_read_as_the_engine_decodes_them(smollm2):
-    """The rollout decodes its samples after sampling (`Generator.generate`), not vLLM as it
-    samples: SmolLM2's byte-level BPE (spaces, multi-byte characters split over tokens, a chat
+    """The rollout decodes its samples after sampling (`Generator.generate` calls
+    `response_texts`), not vLLM as it samples: SmolLM2's byte-level BPE (spaces, multi-byte characters split over tokens, a chat
     template's special tokens) decodes to the very text the engine gives for the same samples."""
     out, _ = smollm2
     chat = "<|im_start|>user\nSay hi with an emoji<|im_end|>\n<|im_start|>assistant\n"

@@ -206,6 +206,7 @@ class Trainer:
         ahead = cfg.algo.off_policy_steps
         self.roles.upcoming.clear()
         self.roles.ahead.clear()
+        self.roles.after_generation.clear()
         # Running ahead, the engines are busy with the next step's batch now: they are watched when it is collected.
         watched = [role for role in self.roles.watch.actors if not (ahead and role.startswith("rollout-"))]
         # An evaluation every `eval.every` steps runs beside the next step (`_evaluate_beside`): (its step, its result).
@@ -275,7 +276,6 @@ class Trainer:
         the step before, which the run that saved the checkpoint began but had not reported yet,
         begins again (its metrics go with the step it runs beside, as always)."""
         every = self.cfg.eval.every
-        self.roles.after_generation.clear()
         if every and 0 < start_step < self.cfg.training.steps and start_step % every == 0:
             return start_step, self._evaluate_beside()
         return None
