@@ -131,6 +131,10 @@ def start_raypo_proxy(checkpoint: str, port: int, own_session: bool) -> subproce
     return start_raypo(checkpoint, port, own_session, "--proxy")
 
 
+def start_raypo_engine_ingress(checkpoint: str, port: int, own_session: bool) -> subprocess.Popen:
+    return start_raypo(checkpoint, port, own_session, "--engine-ingress")
+
+
 def start_raypo(checkpoint: str, port: int, own_session: bool, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as on a fresh machine
     cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--checkpoint", checkpoint, "--host", "127.0.0.1", "--port", str(port)]
@@ -192,6 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = str(Path(args.checkpoint).resolve())
     results = {"raypo serve": measure(start_raypo, checkpoint, args)}
+    results["raypo --engine-ingress"] = measure(start_raypo_engine_ingress, checkpoint, args)
     if args.with_proxy:
         results["raypo --proxy"] = measure(start_raypo_proxy, checkpoint, args)
     results["vllm serve"] = measure(start_vllm, checkpoint, args)
@@ -199,10 +204,10 @@ def main() -> None:
         f"\n{args.rounds} rounds of {args.requests} completions after {args.warmup} to warm up, "
         f"{args.concurrency} concurrent clients, loopback, servers in {'their own' if args.own_session else 'this'} session"
     )
-    print(f"\n{'server':<14}{'ok':>6}{'errors':>8}{'QPS':>8}{'QPS by round':>22}{'p50 ms':>9}{'p99 ms':>9}")
+    print(f"\n{'server':<24}{'ok':>6}{'errors':>8}{'QPS':>8}{'QPS by round':>22}{'p50 ms':>9}{'p99 ms':>9}")
     for name, r in results.items():
         rounds = " ".join(f"{q:.0f}" for q in r["qps_rounds"])
-        print(f"{name:<14}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>22}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
+        print(f"{name:<24}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>22}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
     vllm = results["vllm serve"]
     for name, r in results.items():
         if name != "vllm serve":

@@ -186,6 +186,7 @@ def _serve_forever(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         max_replicas=max(args.max_replicas, args.min_replicas),
         cpus_per_replica=args.cpus_per_replica,
+        engine_ingress=args.engine_ingress,
     )
     stopped = {"code": 130}
 
@@ -208,6 +209,14 @@ def _serve_forever(args: argparse.Namespace) -> int:
         except ConnectionError as err:
             print(f"raypo serve: error: {err}", file=sys.stderr)
             return 1
+        if serve_args.engine_ingress and local_ray and not args.proxy and serve_args.max_replicas > 1:
+            print(
+                "raypo serve: error: --engine-ingress serves from the engine replica on --port itself, so one replica "
+                f"only (--max-replicas {serve_args.max_replicas}); add --proxy to spread requests over replicas",
+                file=sys.stderr,
+            )
+            ray.shutdown()
+            return 2
         try:
             ensure_fits(serve_args, ray.cluster_resources(), local_ray=local_ray)
         except RuntimeError as err:  # ResourceFitError: the app cannot fit this local Ray
@@ -399,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="route requests through Serve's proxy actor (Ray's default) instead of the ingress replica listening on "
         "--port itself (direct ingress, the default on a Ray that raypo serve starts)",
+    )
+    p.add_argument(
+        "--engine-ingress",
+        action="store_true",
+        help="the engine replica answers HTTP itself (vLLM's OpenAI server plus raypo's key check and /health): "
+        "faster, but one version, so no promote/rollback",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")

@@ -41,6 +41,11 @@ class ServeArgs(BaseModel):
     max_constructor_retries: int = Field(3, ge=1, description="times Serve retries a replica whose engine fails to start")
     api_key_file: str | None = Field(None, description="file holding the API key (RAYPO_API_KEY takes precedence)")
     watch: WatchConfig = Field(default_factory=WatchConfig, description="health checks, promotion gate and automatic rollback")
+    engine_ingress: bool = Field(
+        False,
+        description="the engine's replica answers HTTP itself (one process per request, as `vllm serve`): faster, "
+        "one version, no promote/rollback (serve/engine_ingress.py)",
+    )
 
     @field_validator("checkpoint")
     @classmethod
@@ -132,11 +137,11 @@ def listens(host: str, port: int, timeout_s: float = 2.0) -> bool:
 def cpu_plan(args: ServeArgs) -> dict[str, float]:
     """CPUs the app reserves at its smallest (`min_replicas` engines), by part. An engine
     replica's actor lives in its own placement bundle and reserves nothing beside it."""
-    return {
+    engines = {
         f"engine replicas ({max(1, args.min_replicas)} x {args.cpus_per_replica:g})": max(1, args.min_replicas)
-        * args.cpus_per_replica,
-        "ingress": INGRESS_CPUS,
+        * args.cpus_per_replica
     }
+    return engines if args.engine_ingress else {**engines, "ingress": INGRESS_CPUS}
 
 
 def check_fits(args: ServeArgs, cluster: dict[str, float]) -> None:
@@ -168,6 +173,10 @@ def llm_config(args: ServeArgs):
     if args.use_gpu:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_fraction
     env = {} if args.use_gpu else {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if args.engine_ingress and args.api_key_file:
+        from serve.engine_ingress import KEY_FILE_ENV
+
+        env[KEY_FILE_ENV] = str(Path(args.api_key_file).expanduser().resolve())
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.checkpoint},
         engine_kwargs={k: v for k, v in engine_kwargs.items() if v is not None},
@@ -197,7 +206,7 @@ def version_app(args: ServeArgs):
 
 def build_app(args: dict | ServeArgs):
     """The front application for `args` (a dict from YAML, or ServeArgs): the OpenAI ingress,
-    the version table, and the first version's LLMServer.
+    the version table, and the first version's LLMServer (with `engine_ingress`: `engine_ingress_app`).
 
     The ingress takes at most what the engines can (`max_replicas * max_ongoing_requests`)
     and queues `max_queued_requests` more; beyond that Serve answers 503 at once.
@@ -211,6 +220,8 @@ def build_app(args: dict | ServeArgs):
     from serve.versions import Versions
 
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
+    if args.engine_ingress:
+        return engine_ingress_app(args)
     config = llm_config(args)
     options = maybe_apply_llm_deployment_config_defaults(OpenAiIngress.get_deployment_options([config]), None)
     # The ingress never scales to zero (Ray's default when the engines may): under direct ingress
@@ -233,4 +244,19 @@ def build_app(args: dict | ServeArgs):
             lora_paths={},
             versions=versions,
         )
+    )
+
+
+def engine_ingress_app(args: ServeArgs):
+    """The app of `engine_ingress`: one LLMServer deployment that is its own HTTP ingress
+    (serve/engine_ingress.py); it queues `max_queued_requests` beyond what its replicas take."""
+    from ray import serve
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    from serve.engine_ingress import EngineIngress
+
+    return build_llm_deployment(
+        llm_config(args),
+        deployment_cls=serve.ingress()(EngineIngress),
+        override_serve_options={"max_queued_requests": args.max_queued_requests},
     )

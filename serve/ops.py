@@ -19,9 +19,25 @@ class ServeOpError(RuntimeError):
     """An operation on the Serve app failed; the message names the cause."""
 
 
+def _engine_ingress_deployment(front_app: str) -> str | None:
+    """The engine deployment of `front_app` when it was started with `--engine-ingress` (an app
+    with no version table, serve/engine_ingress.py), else None."""
+    from ray import serve
+
+    app = serve.status().applications.get(front_app)
+    if app is None or "Versions" in app.deployments:
+        return None
+    return next((name for name in app.deployments if name.startswith("EngineIngress")), None)
+
+
 def _versions(front_app: str):
     from ray import serve
 
+    if _engine_ingress_deployment(front_app):
+        raise ServeOpError(
+            f"the Serve app {front_app!r} serves one version with no version table (started with --engine-ingress, "
+            "the engine answering HTTP itself); restart it without --engine-ingress to promote and roll back"
+        )
     try:
         return serve.get_deployment_handle("Versions", app_name=front_app)
     except Exception as err:
@@ -91,7 +107,16 @@ def rollback(front_app: str = FRONT_APP) -> dict:
 
 
 def status(front_app: str = FRONT_APP) -> dict:
-    """The version table (live, previous, failed, rolled back) and recent events."""
+    """The version table (live, previous, failed, rolled back) and recent events; for an
+    `--engine-ingress` app, its one version."""
+    from ray import serve
+
+    if engine := _engine_ingress_deployment(front_app):
+        config = serve.get_deployment_handle(engine, app_name=front_app).llm_config.remote().result()
+        created = serve.status().applications[front_app].last_deployed_time_s
+        one = {"name": "v1", "state": "live", "failed_checks_in_a_row": 0, "created": created, "reason": ""}
+        one["checkpoint"] = config.model_loading_config.model_source
+        return {"live": "v1", "versions": [one], "events": ["started with --engine-ingress: one version, no promote/rollback"]}
     return _versions(front_app).status.remote().result()
 
 

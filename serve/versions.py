@@ -61,12 +61,20 @@ def version_handles(deployment: str, app: str) -> VersionHandles:
 
 async def probe(handles: VersionHandles, model_id: str, timeout_s: float) -> str | None:
     """None when the LLMServer behind `handles` is healthy and completes a prompt, else why not."""
+    return await probe_calls(
+        handles.plain.check_health.remote, lambda request: handles.stream.completions.remote(request, None), model_id, timeout_s
+    )
+
+
+async def probe_calls(check_health, completions, model_id: str, timeout_s: float) -> str | None:
+    """`probe` through two calls: `check_health()` (awaitable) and `completions(request)` (an
+    async iterator of an LLMServer's chunks), made on a handle or on the LLMServer itself."""
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 
     async def check():
-        await handles.plain.check_health.remote()
+        await check_health()
         request = CompletionRequest(model=model_id, prompt=PROBE_PROMPT, max_tokens=1, temperature=0.0)
-        async for chunk in handles.stream.completions.remote(request, None):
+        async for chunk in completions(request):
             first = chunk[0] if isinstance(chunk, list) else chunk
             if isinstance(first, ErrorResponse):
                 raise RuntimeError(first.error.message)
