@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.common import ResourceFitError, check_fit, cpu_shortfall
 from serve.versions import WatchConfig
@@ -46,6 +46,15 @@ class ServeArgs(BaseModel):
         description="the engine's replica answers HTTP itself (one process per request, as `vllm serve`): faster, "
         "one version, no promote/rollback (serve/engine_ingress.py)",
     )
+
+    @model_validator(mode="after")
+    def _engine_ingress_keeps_a_replica(self):
+        if self.engine_ingress and self.min_replicas < 1:
+            raise ValueError(
+                "engine_ingress needs min_replicas >= 1: the engine replica is what listens for requests, "
+                "so with none running no request could wake one"
+            )
+        return self
 
     @field_validator("checkpoint")
     @classmethod

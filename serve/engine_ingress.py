@@ -26,8 +26,8 @@ class EngineIngress(LLMServer):
 
     async def __serve_build_asgi_app__(self):
         app = await super().__serve_build_asgi_app__()
-        app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) != "/health"]
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.router.routes.insert(0, app.router.routes.pop())  # ahead of vLLM's own /health, which stays unreachable
         # Outermost, so a request without the key is turned away before vLLM parses it.
         _add_middleware_to_built_app(app, RequestChecks, key_file=os.environ.get(KEY_FILE_ENV))
         return app

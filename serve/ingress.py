@@ -86,15 +86,17 @@ class RequestChecks:
         self.key_file = key_file
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         expected = read_api_key(self.key_file)
         if expected and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {expected}".encode()):
+                if scope["type"] == "websocket":  # closed before it is accepted: the client sees 403
+                    return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
                 error = openai_error(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_request_error")
                 return await error(scope, receive, send)
-        if scope["method"] == "POST" and scope["path"] == "/v1/chat/completions":
+        if scope.get("method") == "POST" and scope["path"] == "/v1/chat/completions":
             # Checked here, before the engine: it would otherwise answer a message with no content.
             body, more = b"", True
             while more:

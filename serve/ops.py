@@ -19,15 +19,16 @@ class ServeOpError(RuntimeError):
     """An operation on the Serve app failed; the message names the cause."""
 
 
-def _engine_ingress_deployment(front_app: str) -> str | None:
-    """The engine deployment of `front_app` when it was started with `--engine-ingress` (an app
-    with no version table, serve/engine_ingress.py), else None."""
+def _engine_ingress_deployment(front_app: str):
+    """(the engine deployment's name, the app's Serve status) when `front_app` was started with
+    `--engine-ingress` (an app with no version table, serve/engine_ingress.py), else None."""
     from ray import serve
 
     app = serve.status().applications.get(front_app)
     if app is None or "Versions" in app.deployments:
         return None
-    return next((name for name in app.deployments if name.startswith("EngineIngress")), None)
+    name = next((name for name in app.deployments if name.startswith("EngineIngress")), None)
+    return (name, app) if name else None
 
 
 def _versions(front_app: str):
@@ -111,11 +112,15 @@ def status(front_app: str = FRONT_APP) -> dict:
     `--engine-ingress` app, its one version."""
     from ray import serve
 
-    if engine := _engine_ingress_deployment(front_app):
-        config = serve.get_deployment_handle(engine, app_name=front_app).llm_config.remote().result()
-        created = serve.status().applications[front_app].last_deployed_time_s
-        one = {"name": "v1", "state": "live", "failed_checks_in_a_row": 0, "created": created, "reason": ""}
-        one["checkpoint"] = config.model_loading_config.model_source
+    if found := _engine_ingress_deployment(front_app):
+        engine, app = found
+        try:  # the engine answers this beside its requests; a loading or stuck one must not hang `status`
+            config = serve.get_deployment_handle(engine, app_name=front_app).llm_config.remote().result(timeout_s=10)
+            checkpoint = config.model_loading_config.model_source
+        except Exception as err:
+            checkpoint = f"(the engine did not say: {type(err).__name__})"
+        one = {"name": "v1", "state": "live", "failed_checks_in_a_row": 0, "created": app.last_deployed_time_s}
+        one |= {"checkpoint": checkpoint, "reason": "" if app.status == "RUNNING" else f"app {app.status}"}
         return {"live": "v1", "versions": [one], "events": ["started with --engine-ingress: one version, no promote/rollback"]}
     return _versions(front_app).status.remote().result()
 

@@ -92,8 +92,31 @@ def _raypo_serve(main_job, *extra: str, env: dict | None = None):
         assert health is not None and health[0] == 200, "raypo serve did not become healthy within 3 minutes"
         yield server, output, f"http://127.0.0.1:{port}", health[1]
     finally:
-        if server.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # also Ray processes left by a raypo serve that died
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def _stops_cleanly_on_ctrl_c(server: subprocess.Popen, output: _Output) -> None:
+    """Ctrl-C to the whole process group, as a terminal sends it: raypo serve exits with 130 (0),
+    says "stopped", prints no traceback, and leaves none of the processes it started behind."""
+    family = psutil.Process(server.pid).children(recursive=True)
+    assert family, "raypo serve started no Ray processes"
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.kill(server.pid, signal.SIGUSR1)  # raypo serve's faulthandler prints where it is stuck
+        time.sleep(3)
+        pytest.fail(f"raypo serve still running 120 s after Ctrl-C; its stacks:\n{output['stderr'][-6000:]}")
+    for reader in output.readers:
+        reader.join(30)
+    stderr = output["stderr"]
+    assert server.returncode in (0, 130), stderr[-4000:]
+    assert "stopped" in output["stdout"], output["stdout"][-2000:]
+    assert "Aborted" not in stderr and "Traceback" not in stderr, stderr[-4000:]
+    time.sleep(5)  # Ray's processes get a moment to go after their driver
+    strays = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not strays, [" ".join(p.cmdline()[:3]) for p in strays]
 
 
 def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_job):
@@ -107,24 +130,7 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
         # the Ray that raypo serve started, with no address given.
         status = subprocess.run([*RAYPO, "serve", "status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert status.returncode == 0 and "live" in status.stdout and "v1" in status.stdout, status.stderr[-3000:]
-        family = psutil.Process(server.pid).children(recursive=True)
-        assert family, "raypo serve started no Ray processes"
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.kill(server.pid, signal.SIGUSR1)  # raypo serve's faulthandler prints where it is stuck
-            time.sleep(3)
-            pytest.fail(f"raypo serve still running 120 s after Ctrl-C; its stacks:\n{output['stderr'][-6000:]}")
-    for reader in output.readers:
-        reader.join(30)
-    stderr = output["stderr"]
-    assert server.returncode in (0, 130), stderr[-4000:]
-    assert "stopped" in output["stdout"], output["stdout"][-2000:]
-    assert "Aborted" not in stderr and "Traceback" not in stderr, stderr[-4000:]
-    time.sleep(5)  # Ray's processes get a moment to go after their driver
-    strays = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not strays, [" ".join(p.cmdline()[:3]) for p in strays]
+        _stops_cleanly_on_ctrl_c(server, output)
 
 
 def _post(url: str, body: bytes, key: str | None):
@@ -149,7 +155,8 @@ def test_raypo_serve_engine_ingress_answers_from_the_engine_replica_with_the_key
         listeners = [
             c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
         ]
-        assert listeners and all("EngineIngress" in " ".join(psutil.Process(pid).cmdline()) for pid in listeners), [
+        assert listeners and None not in listeners, listeners
+        assert all("EngineIngress" in " ".join(psutil.Process(pid).cmdline()) for pid in listeners), [
             psutil.Process(pid).cmdline()[:2] for pid in listeners
         ]
         client = OpenAI(base_url=f"{base}/v1", api_key=key)
@@ -176,6 +183,7 @@ def test_raypo_serve_engine_ingress_answers_from_the_engine_replica_with_the_key
         status = subprocess.run([*RAYPO, "serve", "status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert status.returncode == 0 and "v1       live" in status.stdout and "--engine-ingress" in status.stdout, status
         assert client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0).choices[0].text
+        _stops_cleanly_on_ctrl_c(server, output)
 
 
 def test_raypo_serve_says_at_once_when_the_app_cannot_fit_or_cannot_listen(main_job):
