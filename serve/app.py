@@ -188,6 +188,9 @@ def llm_config(args: ServeArgs):
         env[KEY_FILE_ENV] = str(Path(args.api_key_file).expanduser().resolve())
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.checkpoint},
+        # Ray's copy of the engine's metrics costs its metrics agent a core's share per request on a
+        # small machine; with engine_ingress vLLM's own /metrics route serves them instead.
+        log_engine_metrics=not args.engine_ingress,
         engine_kwargs={k: v for k, v in engine_kwargs.items() if v is not None},
         placement_group_config={"bundles": [bundle]},
         runtime_env={"env_vars": env} if env else None,

@@ -159,6 +159,8 @@ def test_raypo_serve_engine_ingress_answers_from_the_engine_replica_with_the_key
         assert all("EngineIngress" in " ".join(psutil.Process(pid).cmdline()) for pid in listeners), [
             psutil.Process(pid).cmdline()[:2] for pid in listeners
         ]
+        family = [_cmdline(p) for p in psutil.Process(server.pid).children(recursive=True)]
+        assert not [name for name in family if "VLLM::Worker" in name], "the engine runs its model in its own process"
         client = OpenAI(base_url=f"{base}/v1", api_key=key)
         assert [m.id for m in client.models.list().data] == ["raypo-policy"]
         answer = client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0)
@@ -183,7 +185,16 @@ def test_raypo_serve_engine_ingress_answers_from_the_engine_replica_with_the_key
         status = subprocess.run([*RAYPO, "serve", "status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert status.returncode == 0 and "v1       live" in status.stdout and "--engine-ingress" in status.stdout, status
         assert client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0).choices[0].text
+        metrics = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(metrics, timeout=30) as resp:  # the engine's metrics, from vLLM's own route
+            assert "vllm:generation_tokens" in resp.read().decode()
         _stops_cleanly_on_ctrl_c(server, output)
+
+
+def _cmdline(process: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
+        return " ".join(process.cmdline())
+    return ""
 
 
 def test_raypo_serve_says_at_once_when_the_app_cannot_fit_or_cannot_listen(main_job):
