@@ -1,15 +1,21 @@
-"""Bounded HTTP load against `raypo serve` and a plain `vllm serve`, side by side.
+"""Bounded HTTP load against `raypo serve` and a plain `vllm serve`, side by side, interleaved.
 
-    .venv/bin/python bench/serve_load.py --checkpoint runs/grpo_tiny/final [--requests 400 --concurrency 16 --rounds 3]
+    .venv/bin/python bench/serve_load.py --checkpoint runs/grpo_tiny/final [--cycles 3 --rounds 2]
+        [--servers raypo engine-ingress proxy vllm]
 
-Both serve the same checkpoint on loopback, each started as a user starts it (`raypo serve`,
-`python -m vllm.entrypoints.openai.api_server`) and stopped by its process group. Each gets a
-warm-up load, then `--rounds` loads of the same fixed number of completion requests (short
-arithmetic prompts, greedy, 4 tokens) from `--concurrency` clients; the table shows each
-server's median-round QPS and the p50/p99 latency over every measured request, and the ratio
-raypo / vLLM. The seeds' targets (p99 < 500 ms, >= 200 QPS per GPU) are for GPUs; on a CPU
-machine read the ratio. Loops are bounded by request count and a deadline, and only 127.0.0.1
-is ever contacted.
+Each server serves the same checkpoint on loopback, started as a user starts it (`raypo serve`,
+`raypo serve --engine-ingress`, `raypo serve --proxy`, `python -m vllm.entrypoints.openai.api_server`)
+and stopped by its process group. The servers take turns: in each of `--cycles` cycles every
+server is started, warmed up, given `--rounds` loads of the same fixed number of completion
+requests (short arithmetic prompts, greedy, 4 tokens) from `--concurrency` clients, and stopped,
+in an order that reverses from one cycle to the next (A B C, C B A, ...). The ratio to vLLM is
+taken within each cycle, and their geometric mean over an even number of cycles cancels a
+steady drift of the machine's speed (this shared one moved 2.7x in an evening), which would
+favour whichever server ran first in a one-after-the-other run. The table shows each server's
+median-round QPS and the p50/p99 latency over every measured request; below it, each server's
+QPS and p99 against `vllm serve` in each cycle, and their geometric mean. The seeds' targets (p99 < 500 ms, >= 200 QPS per
+GPU) are for GPUs; on a CPU machine read the ratio. Loops are bounded by request count and a
+deadline, and only 127.0.0.1 is ever contacted.
 """
 
 from __future__ import annotations
@@ -155,9 +161,9 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def measure(start, checkpoint: str, args) -> dict:
-    """Start a server, warm it up, run `args.rounds` loads; the median round's QPS and the
-    latency percentiles over every measured request."""
+def visit(start, checkpoint: str, args) -> dict:
+    """Start a server, warm it up, run `args.rounds` loads, stop it: each round's QPS, and every
+    measured request's latency."""
     port = free_port()
     proc = start(checkpoint, port, args.own_session)
     try:
@@ -169,15 +175,42 @@ def measure(start, checkpoint: str, args) -> dict:
         ]
     finally:
         stop(proc)
-    latencies = sorted(x for r in rounds for x in r["latencies"])
     return {
         "ok": sum(r["ok"] for r in rounds),
         "errors": sum(r["errors"] for r in rounds),
-        "qps": statistics.median(r["qps"] for r in rounds),
         "qps_rounds": [r["qps"] for r in rounds],
+        "latencies": sorted(x for r in rounds for x in r["latencies"]),
+    }
+
+
+def summary(visits: list[dict]) -> dict:
+    """One server's visits together: the median round's QPS, latency percentiles over every request."""
+    latencies = sorted(x for v in visits for x in v["latencies"])
+    return {
+        "ok": sum(v["ok"] for v in visits),
+        "errors": sum(v["errors"] for v in visits),
+        "qps": statistics.median(q for v in visits for q in v["qps_rounds"]),
+        "qps_rounds": [q for v in visits for q in v["qps_rounds"]],
         "p50_ms": percentile_ms(latencies, 0.50),
         "p99_ms": percentile_ms(latencies, 0.99),
     }
+
+
+SERVERS = {
+    "raypo": ("raypo serve", start_raypo),
+    "engine-ingress": ("raypo --engine-ingress", start_raypo_engine_ingress),
+    "proxy": ("raypo --proxy", start_raypo_proxy),
+    "vllm": ("vllm serve", start_vllm),
+}
+
+
+def turns(names: list[str], cycles: int) -> list[tuple[int, str]]:
+    """(cycle, server) in the order the bench visits them: forward, then backward, and so on.
+
+    >>> turns(["a", "b"], 3)
+    [(0, 'a'), (0, 'b'), (1, 'b'), (1, 'a'), (2, 'a'), (2, 'b')]
+    """
+    return [(c, name) for c in range(cycles) for name in (names if c % 2 == 0 else names[::-1])]
 
 
 def main() -> None:
@@ -188,33 +221,68 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3, help="measured loads per server (the table shows the median QPS)")
-    parser.add_argument("--warmup", type=int, default=64, help="requests sent before the measured rounds")
-    parser.add_argument("--with-proxy", action="store_true", help="also measure `raypo serve --proxy` (Serve's proxy actor)")
+    parser.add_argument("--cycles", type=int, default=4, help="turns each server gets, in alternating order (even)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured loads per turn (the table shows the median QPS)")
+    parser.add_argument("--warmup", type=int, default=64, help="requests sent at each turn before the measured rounds")
+    parser.add_argument(
+        "--servers", nargs="+", choices=list(SERVERS), default=["raypo", "engine-ingress", "vllm"], help="vllm is always measured"
+    )
     parser.add_argument("--own-session", action="store_true", help="start each server in a session of its own (see `group`)")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds each load may run at most")
     args = parser.parse_args()
     checkpoint = str(Path(args.checkpoint).resolve())
-    results = {"raypo serve": measure(start_raypo, checkpoint, args)}
-    results["raypo --engine-ingress"] = measure(start_raypo_engine_ingress, checkpoint, args)
-    if args.with_proxy:
-        results["raypo --proxy"] = measure(start_raypo_proxy, checkpoint, args)
-    results["vllm serve"] = measure(start_vllm, checkpoint, args)
+    names = list(dict.fromkeys([*args.servers, "vllm"]))
+    visits: dict[str, list[dict]] = {name: [] for name in names}
+    for cycle, name in turns(names, args.cycles):
+        label, start = SERVERS[name]
+        visits[name].append(visit(start, checkpoint, args))
+        print(f"cycle {cycle}: {label} {' '.join(f'{q:.0f}' for q in visits[name][-1]['qps_rounds'])} QPS", flush=True)
+        time.sleep(3)  # the stopped server's last processes let go of the CPUs before the next one starts
+    report(visits, args)
+
+
+def report(visits: dict[str, list[dict]], args) -> None:
     print(
-        f"\n{args.rounds} rounds of {args.requests} completions after {args.warmup} to warm up, "
+        f"\n{args.cycles} turns each of {args.rounds} rounds of {args.requests} completions after {args.warmup} to warm up, "
         f"{args.concurrency} concurrent clients, loopback, servers in {'their own' if args.own_session else 'this'} session"
     )
-    print(f"\n{'server':<24}{'ok':>6}{'errors':>8}{'QPS':>8}{'QPS by round':>22}{'p50 ms':>9}{'p99 ms':>9}")
-    for name, r in results.items():
+    print(f"\n{'server':<24}{'ok':>6}{'errors':>8}{'QPS':>8}{'p50 ms':>9}{'p99 ms':>9}  QPS by round")
+    for name, server_visits in visits.items():
+        r = summary(server_visits)
         rounds = " ".join(f"{q:.0f}" for q in r["qps_rounds"])
-        print(f"{name:<24}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>22}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
-    vllm = results["vllm serve"]
-    for name, r in results.items():
-        if name != "vllm serve":
-            print(
-                f"{name} / vllm serve: QPS {r['qps'] / vllm['qps']:.2f}x, p50 {r['p50_ms'] / vllm['p50_ms']:.2f}x, "
-                f"p99 {r['p99_ms'] / vllm['p99_ms']:.2f}x"
-            )
+        print(
+            f"{SERVERS[name][0]:<24}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>30}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+        )
+    print("\nagainst vllm serve in the same cycle (QPS of the turn's median round; p99 of the turn's requests), geometric mean:")
+    ref = visits["vllm"]
+    for name, server_visits in visits.items():
+        if name == "vllm":
+            continue
+        pairs = list(zip(server_visits, ref, strict=True))
+        qps = [ratio(statistics.median(v["qps_rounds"]), statistics.median(w["qps_rounds"])) for v, w in pairs]
+        p99 = [ratio(percentile_ms(v["latencies"], 0.99), percentile_ms(w["latencies"], 0.99)) for v, w in pairs]
+        print(
+            f"{SERVERS[name][0]:<24} QPS {' '.join(f'{x:.2f}' for x in qps)} ({geomean(qps):.2f}x), "
+            f"p99 {' '.join(f'{x:.2f}' for x in p99)} ({geomean(p99):.2f}x)"
+        )
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 or NaN (a turn in which a server answered nothing).
+
+    >>> ratio(1.0, 2.0), ratio(1.0, 0.0)
+    (0.5, nan)
+    """
+    return a / b if b and b == b else float("nan")
+
+
+def geomean(xs: list[float]) -> float:
+    """The geometric mean (NaN if any is NaN or not positive).
+
+    >>> round(geomean([0.5, 2.0]), 6)
+    1.0
+    """
+    return statistics.geometric_mean(xs) if all(x > 0 for x in xs) else float("nan")
 
 
 if __name__ == "__main__":

@@ -213,7 +213,9 @@ def version_app(args: ServeArgs):
     """One policy version: an LLMServer deployment (its own application when promoted)."""
     from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
-    return build_llm_deployment(llm_config(args))
+    from serve.engine import OneProcessLLMServer
+
+    return build_llm_deployment(llm_config(args), deployment_cls=OneProcessLLMServer, name_prefix="LLMServer:")
 
 
 def build_app(args: dict | ServeArgs):

@@ -13,33 +13,17 @@ from __future__ import annotations
 
 import os
 
-from ray.llm._internal.serve.core.server.llm_server import LLMServer, _add_middleware_to_built_app
-from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+from ray.llm._internal.serve.core.server.llm_server import _add_middleware_to_built_app
 
-from serve.ingress import HEALTH_TIMEOUT_S, RequestChecks, openai_error
+from serve.engine import OneProcessLLMServer
+from serve.ingress import HEALTH_TIMEOUT_S, RequestChecks, health_answer
 from serve.versions import probe_calls
 
 KEY_FILE_ENV = "RAYPO_API_KEY_FILE"  # the replica's runtime env names the key file, never the key
 
 
-class OneProcessVLLMEngine(VLLMEngine):
-    """Ray's vLLM engine, run as `vllm serve` runs a one-worker engine: the model in the engine
-    core's own process (vLLM's UniProcExecutor). On CPU Ray asks for the multiprocess executor,
-    which adds a worker process and an IPC round trip to every engine step; GPU engines (Ray's
-    executor, placement groups) are left as Ray makes them."""
-
-    def _prepare_engine_config(self, callback_ctx):
-        engine_args, frontend_args, config = super()._prepare_engine_config(callback_ctx)
-        parallel = config.parallel_config
-        if parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
-            parallel.distributed_executor_backend = "uni"
-        return engine_args, frontend_args, config
-
-
-class EngineIngress(LLMServer):
+class EngineIngress(OneProcessLLMServer):
     """An LLMServer whose HTTP app is vLLM's OpenAI server plus raypo's checks and `/health`."""
-
-    _default_engine_cls = OneProcessVLLMEngine
 
     async def __serve_build_asgi_app__(self):
         app = await super().__serve_build_asgi_app__()
@@ -52,7 +36,6 @@ class EngineIngress(LLMServer):
     async def health(self):
         """200 when the engine answers a health check and a one-token prompt in time, else 503
         (the default app's `/health`, for its one version)."""
-        from fastapi.responses import JSONResponse
 
         async def completions(request):  # LLMServer.completions is a coroutine that returns the chunks
             async for chunk in await self.completions(request, None):
@@ -60,6 +43,4 @@ class EngineIngress(LLMServer):
 
         model_id = self._llm_config.model_id
         problem = await probe_calls(self.check_health, completions, model_id, HEALTH_TIMEOUT_S)
-        if problem:
-            return openai_error(503, f"model not answering: {problem}", "service_unavailable")
-        return JSONResponse({"status": "ok", "models": [model_id], "version": "v1"})
+        return health_answer(problem, [model_id], "v1")

@@ -173,8 +173,6 @@ class RaypoIngress(OpenAiIngress):
 
     async def health(self):
         """200 when the live version's engine answers a health check and a prompt in time, else 503."""
-        from fastapi.responses import JSONResponse
-
         from serve.versions import probe
 
         started = time.monotonic()
@@ -184,13 +182,21 @@ class RaypoIngress(OpenAiIngress):
             return openai_error(503, f"version table not answering within {HEALTH_TIMEOUT_S:g}s", "service_unavailable")
         left = max(HEALTH_TIMEOUT_S - (time.monotonic() - started), 0.5)
         problem = await probe(self._live_handles(), next(iter(self._model_cards)), left)
-        if problem:
-            return openai_error(503, f"model not answering: {problem}", "service_unavailable")
-        return JSONResponse({"status": "ok", "models": sorted(self._model_cards), "version": self._live["name"]})
+        return health_answer(problem, sorted(self._model_cards), self._live["name"])
 
     async def versions(self):
         """The version table: live, previous, failed and rolled-back versions, recent events."""
         return await self._versions.status.remote()
+
+
+def health_answer(problem: str | None, models: list[str], version: str):
+    """`/health`'s answer in both serving modes: 503 naming what the probe found, else the
+    models and the live version."""
+    from fastapi.responses import JSONResponse
+
+    if problem:
+        return openai_error(503, f"model not answering: {problem}", "service_unavailable")
+    return JSONResponse({"status": "ok", "models": models, "version": version})
 
 
 def ingress_deployment(key_file: str | None):

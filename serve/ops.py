@@ -32,13 +32,18 @@ def _engine_ingress_deployment(front_app: str):
 
 
 def _versions(front_app: str):
-    from ray import serve
-
+    """The app's version table, to change it (an `--engine-ingress` app has none: refused)."""
     if _engine_ingress_deployment(front_app):
         raise ServeOpError(
             f"the Serve app {front_app!r} serves one version with no version table (started with --engine-ingress, "
             "the engine answering HTTP itself); restart it without --engine-ingress to promote and roll back"
         )
+    return _version_table(front_app)
+
+
+def _version_table(front_app: str):
+    from ray import serve
+
     try:
         return serve.get_deployment_handle("Versions", app_name=front_app)
     except Exception as err:
@@ -122,7 +127,7 @@ def status(front_app: str = FRONT_APP) -> dict:
         one = {"name": "v1", "state": "live", "failed_checks_in_a_row": 0, "created": app.last_deployed_time_s}
         one |= {"checkpoint": checkpoint, "reason": "" if app.status == "RUNNING" else f"app {app.status}"}
         return {"live": "v1", "versions": [one], "events": ["started with --engine-ingress: one version, no promote/rollback"]}
-    return _versions(front_app).status.remote().result()
+    return _version_table(front_app).status.remote().result()  # the Serve status read above found no engine ingress
 
 
 def format_status(table: dict) -> str:

@@ -126,6 +126,8 @@ def test_raypo_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(main_
         client = OpenAI(base_url=f"{base}/v1", api_key="none")
         answer = client.completions.create(model="raypo-policy", prompt="12+7=", max_tokens=5, temperature=0)
         assert answer.choices[0].text.strip() == "19"  # the trained policy adds
+        family = [_cmdline(p) for p in psutil.Process(server.pid).children(recursive=True)]
+        assert not [name for name in family if "VLLM::Worker" in name], "the engine runs its model in its own process"
         # The README's `raypo serve status` (promote and rollback find the Ray the same way) reaches
         # the Ray that raypo serve started, with no address given.
         status = subprocess.run([*RAYPO, "serve", "status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
