@@ -38,17 +38,17 @@ class LearnerActor(Restartable):
     def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec) -> dict[str, float]:
         """One policy update on the step's minibatches."""
         fetched = Fetched(minibatches)
-        return self.learner.train_step(fetched, loss) | fetched.metrics()
+        return self.learner.train_step(fetched, loss) | side_metrics(fetched)
 
     def dpo_step(self, minibatches: list[ray.ObjectRef], spec: DPOSpec) -> dict[str, float]:
         """One DPO update on the step's preference pairs."""
         fetched = Fetched(minibatches)
-        return self.learner.dpo_step(fetched, spec) | fetched.metrics()
+        return self.learner.dpo_step(fetched, spec) | side_metrics(fetched)
 
     def rm_step(self, minibatches: list[ray.ObjectRef]) -> dict[str, float]:
         """One reward-model update on the step's preference pairs."""
         fetched = Fetched(minibatches)
-        return self.learner.rm_step(fetched) | fetched.metrics()
+        return self.learner.rm_step(fetched) | side_metrics(fetched)
 
     def pair_scores(self, pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.learner.pair_scores(pairs)
@@ -91,6 +91,13 @@ class LearnerActor(Restartable):
             self.learner.load_checkpoint(path)
 
 
+def side_metrics(fetched: Fetched) -> dict[str, float]:
+    """An update's metrics besides the loss's: what its fetches moved, and the rank's torch threads."""
+    import torch
+
+    return fetched.metrics() | {"learner_threads": float(torch.get_num_threads())}
+
+
 class LearnerLost(RuntimeError):
     """A learner rank's process died; the rest of its group, which would wait for it in their
     collectives, were stopped at once. The message names the rank and the cause."""
@@ -103,12 +110,16 @@ class LearnerGroup(ActorGroup):
     """The learners, one per `learner-i` bundle of the run's placement, wired into one world.
     Drive them with `run` / `run_async` (every rank must take part in each call)."""
 
-    def __init__(self, spec: LearnerSpec, placement: Placement, num_learners: int, names: list[str] | None = None):
-        """`names`: the ranks' actor names (for tools and dashboards), if any."""
+    def __init__(
+        self, spec: LearnerSpec, placement: Placement, num_learners: int, names: list[str] | None = None, threads: int = 0
+    ):
+        """`names`: the ranks' actor names (for tools and dashboards), if any; `threads`: each
+        rank's torch threads (0: its bundle's CPUs)."""
         roles = [f"learner-{rank}" for rank in range(num_learners)]
+        self.threads = threads
         super().__init__(
             LearnerActor.options(**placement.options(role, **({"name": names[rank]} if names else {}))).remote(
-                threads=max(1, int(placement.options(role)["num_cpus"]))
+                threads=threads or max(1, int(placement.options(role)["num_cpus"]))
             )
             for rank, role in enumerate(roles)
         )

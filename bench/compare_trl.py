@@ -18,9 +18,10 @@ evaluation left out for both). Prints per framework: median and p90 step seconds
 completions/s, per-phase seconds, held-out accuracy against steps and against wall clock, and
 the ratios raypo / TRL. Compare ratios from one run: the machine is shared and noisy.
 
-What still differs, by design of each: raypo's learner has `resource.cpus_per_learner` threads
-(1 by default) and its rollout engine its own, while TRL's one process uses torch's default
-(every core) for generation and learning in turn (both counts are printed); TRL's ratio is 1 by
+What still differs, by design of each: raypo's learner has the node's threads when it runs
+synchronously (roles take turns) and `resource.cpus_per_learner` threads (1 by default) when
+the engine samples ahead beside it, which has the rest (pipelines/rl/roles.py); TRL's one process
+uses torch's default (every core) for generation and learning in turn (both counts are printed); TRL's ratio is 1 by
 construction (one update per generation, no old log-probs), raypo's is taken against the log-probs
 vLLM sampled with; the group std is offset by 1e-6 in raypo, 1e-4 in TRL; TRL's "generate" phase
 includes scoring, raypo reports reward apart. Gradient checkpointing is off in both (TRL's
@@ -46,7 +47,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actors.common import threads_for  # noqa: E402 (the repository's packages, run from a checkout)
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data.dataset import load_task  # noqa: E402
 from pipelines.data.evaluate import evaluate_problems, greedy_complete  # noqa: E402
@@ -118,7 +118,7 @@ def run_raypo(cfg) -> dict:
     snapshots = {int(p.name.split("_")[1]): p / "policy" for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     snapshots[cfg.training.steps] = run_dir / "final"
     return {
-        "threads": threads_for(cfg.resource.cpus_per_learner),
+        "threads": int(metrics[0]["learner_threads"]),
         "step_s": [m["step_time"] for m in metrics],
         "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
         "staleness": statistics.mean(m["staleness"] for m in metrics),
@@ -211,7 +211,7 @@ def report(results: list[dict], args) -> None:
     print(
         f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
     )
-    print(f"threads: raypo's learner {ours[0]['threads']} (cpus_per_learner or RAYPO_THREADS_PER_ACTOR; rollout apart)"
+    print(f"threads: raypo's learner {ours[0]['threads']} (pipelines/rl/roles.py:learner_threads; rollout apart)"
           + (f", TRL {trl['threads']} (torch's default, generation and learning in turn)" if trl else ""))  # fmt: skip
     ratio_heads = [f"{r['name']} / TRL" for r in ours] if trl else []
     print(f"{'':<28}" + "".join(f"{r['name']:>18}" for r in results) + "".join(f"{h:>22}" for h in ratio_heads))

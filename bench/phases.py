@@ -100,15 +100,15 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> floa
     return 2 * rows * hidden * inner / best
 
 
-def machine_gemm_flops(shape: ModelShape, rows: int, cpus: float) -> float:
-    """`gemm_flops` of the model's MLP shape in a Ray task with the learner's CPUs and threads."""
+def machine_gemm_flops(shape: ModelShape, rows: int, threads: int) -> float:
+    """`gemm_flops` of the model's MLP shape in a Ray task with the learner's threads (and as many CPUs)."""
     import ray  # heavy imports inside functions: `--help` stays quick
 
     from actors.common import limit_threads
 
-    @ray.remote(num_cpus=cpus)
+    @ray.remote(num_cpus=threads)
     def measure() -> float:
-        limit_threads(cpus)
+        limit_threads(threads)
         return gemm_flops(shape.hidden, shape.inner, rows)
 
     return ray.get(measure.remote())
@@ -126,7 +126,7 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     achieved = sum(shape.needed_flops(r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
     tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
     gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
-    per_learner = machine_gemm_flops(shape, gemm_rows, cfg.resource.cpus_per_learner)
+    per_learner = machine_gemm_flops(shape, gemm_rows, int(rows[0]["learner_threads"]))  # pipelines/rl/roles.py:learner_threads
     return {"achieved": achieved, "gemm": per_learner * cfg.resource.num_learners}
 
 

@@ -161,6 +161,8 @@ def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model
     lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)
     assert all(m["buffer_rows"] == 32 for m in lines)  # both actors' samples made one batch
+    # the learner shares its node's threads with the critic, which trains beside it (roles.py:learner_threads)
+    assert {m["learner_threads"] for m in lines} == {max(1, min(os.cpu_count() or 1, 4) // 2)}
     # Three steps of a 3e-5 critic barely move its MSE, which follows the batch's rewards more than
     # the fit (tests/test_learner_core.py checks the fit); here: the critic was trained and saved.
     critic = load_file(str(tmp_path / "p" / "checkpoints" / "step_000003" / "critic" / "critic.safetensors"))

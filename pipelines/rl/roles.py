@@ -73,7 +73,7 @@ class Roles:
     def rebuild_learners(self, spec: LearnerSpec) -> None:
         """A new learner group in the bundles of the old one (stopped: a rank died), wired to the engines."""
         self.learners.kill()
-        self.learners = LearnerGroup(spec, self.placement, len(self.learners.actors))
+        self.learners = LearnerGroup(spec, self.placement, len(self.learners.actors), threads=self.learners.threads)
         self.weight_sync.rewire(self.learners)
 
     def shutdown(self) -> None:
@@ -222,6 +222,19 @@ def rollout_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int
     return max(1, threads - beside * threads_for(cfg.resource.cpus_per_learner))
 
 
+def learner_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int:
+    """Each learner rank's torch threads. Synchronous (roles take turns), the ranks and the critic
+    that trains beside them share their node's `threads`; sampling ahead (algo.off_policy_steps),
+    each rank keeps to its bundle's CPUs, the engine having the rest (`rollout_threads`)."""
+    own = threads_for(cfg.resource.cpus_per_learner)
+    if cfg.algo.off_policy_steps or cfg.resource.use_gpu:
+        return own
+    node = {where["role"]: where["node_id"] for where in placement.where()}
+    learner_node = node["learner-0"]
+    training = [role for role in node if role.startswith("learner-") or role == "value"]
+    return max(own, threads // sum(node[role] == learner_node for role in training))
+
+
 def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement, checkpoints: str | None = None) -> Roles:
     """Start every role of the run, each in its bundle of `placement`. Ray restarts the roles but
     the learners when their process dies; restarted, the reward model and critic come back from
@@ -276,7 +289,8 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         )
         restartable["value"] = value
     names = [actor_name(cfg, f"learner-{rank}") for rank in range(res.num_learners)]
-    learners = LearnerGroup(learner_spec(cfg, model_dir), placement, res.num_learners, names)
+    spec = learner_spec(cfg, model_dir)
+    learners = LearnerGroup(spec, placement, res.num_learners, names, learner_threads(cfg, placement, threads))
     helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
     return Roles(
         rollouts=rollouts,
