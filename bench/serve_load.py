@@ -251,7 +251,7 @@ def report(visits: dict[str, list[dict]], args) -> None:
         r = summary(server_visits)
         rounds = " ".join(f"{q:.0f}" for q in r["qps_rounds"])
         print(
-            f"{SERVERS[name][0]:<24}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{rounds:>30}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+            f"{SERVERS[name][0]:<24}{r['ok']:>6}{r['errors']:>8}{r['qps']:>8.1f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}  {rounds}"
         )
     print("\nagainst vllm serve in the same cycle (QPS of the turn's median round; p99 of the turn's requests), geometric mean:")
     ref = visits["vllm"]
