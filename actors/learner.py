@@ -4,9 +4,11 @@ in its `learner-i` bundle of the run's placement group."""
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import ray
+import torch
 
 from actors.common import Fetched, Restartable, limit_threads, on_this_node
 from actors.core.learner import Learner, LearnerSpec
@@ -18,8 +20,12 @@ from pipelines.data.storage import reading, writing
 
 @ray.remote(max_restarts=0)  # a rank that dies takes its world with it: the driver rebuilds the group (LearnerLost)
 class LearnerActor(Restartable):
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, idle_threads: int = 0):
+        """`threads`: torch's threads; `idle_threads` (if more): those of an update once the
+        engines beside it are idle (`train_step`'s `beside`)."""
         limit_threads(threads)
+        self.threads = torch.get_num_threads()
+        self.idle_threads = max(self.threads, idle_threads)
         self.learner: Learner | None = None
 
     def address(self) -> tuple[str, int]:
@@ -35,10 +41,18 @@ class LearnerActor(Restartable):
     # The updates take refs to this rank's shard of each of the step's minibatches, which the
     # experience buffer put in the object store (`minibatch_refs`), fetched one at a time; their
     # metrics add what the fetches moved (`Fetched.metrics`).
-    def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec) -> dict[str, float]:
-        """One policy update on the step's minibatches."""
-        fetched = Fetched(minibatches)
-        return self.learner.train_step(fetched, loss) | side_metrics(fetched)
+    def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec, beside: list[ray.ObjectRef] = ()) -> dict[str, float]:
+        """One policy update on the step's minibatches. `beside`: calls queued behind the work of
+        the engines on this node that runs during the update (a batch sampled ahead); once all are
+        done the update takes `idle_threads`, between two of the model's layers."""
+        fetched, threads = Fetched(minibatches), Widening(beside, self.threads, self.idle_threads)
+        self.learner.between_layers = threads.check
+        try:
+            metrics = self.learner.train_step(fetched, loss)
+        finally:
+            self.learner.between_layers = lambda: None
+            threads.stop()
+        return metrics | side_metrics(fetched) | {"learner_threads": threads.mean()}
 
     def dpo_step(self, minibatches: list[ray.ObjectRef], spec: DPOSpec) -> dict[str, float]:
         """One DPO update on the step's preference pairs."""
@@ -93,9 +107,38 @@ class LearnerActor(Restartable):
 
 def side_metrics(fetched: Fetched) -> dict[str, float]:
     """An update's metrics besides the loss's: what its fetches moved, and the rank's torch threads."""
-    import torch
-
     return fetched.metrics() | {"learner_threads": float(torch.get_num_threads())}
+
+
+class Widening:
+    """An update's torch threads: `threads` while any of `beside` is pending, `idle_threads` once
+    all are done (looked at by `check`, in the update's own thread: OpenMP's count is per thread);
+    `stop` goes back to `threads`. `mean` is the update's threads averaged over its wall time."""
+
+    def __init__(self, beside: list[ray.ObjectRef], threads: int, idle_threads: int):
+        self.pending, self.threads, self.idle_threads = list(beside), threads, idle_threads
+        self.now, self.since, self.thread_seconds, self.seconds = threads, time.perf_counter(), 0.0, 0.0
+        self.check()
+
+    def check(self) -> None:
+        if self.now == self.idle_threads:
+            return
+        if self.pending:
+            _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False)
+        if not self.pending:
+            self._set(self.idle_threads)
+
+    def stop(self) -> None:
+        self._set(self.threads)
+
+    def mean(self) -> float:
+        return self.thread_seconds / self.seconds if self.seconds else float(self.now)
+
+    def _set(self, threads: int) -> None:
+        elapsed, self.since = time.perf_counter() - self.since, time.perf_counter()
+        self.thread_seconds, self.seconds = self.thread_seconds + elapsed * self.now, self.seconds + elapsed
+        self.now = threads
+        torch.set_num_threads(threads)
 
 
 class LearnerLost(RuntimeError):
@@ -111,15 +154,21 @@ class LearnerGroup(ActorGroup):
     Drive them with `run` / `run_async` (every rank must take part in each call)."""
 
     def __init__(
-        self, spec: LearnerSpec, placement: Placement, num_learners: int, names: list[str] | None = None, threads: int = 0
+        self,
+        spec: LearnerSpec,
+        placement: Placement,
+        num_learners: int,
+        names: list[str] | None = None,
+        threads: tuple[int, int] = (0, 0),
     ):
         """`names`: the ranks' actor names (for tools and dashboards), if any; `threads`: each
-        rank's torch threads (0: its bundle's CPUs)."""
+        rank's torch threads while the engines beside it sample, and once they are idle (0: its
+        bundle's CPUs; see `LearnerActor.train_step`)."""
         roles = [f"learner-{rank}" for rank in range(num_learners)]
         self.threads = threads
         super().__init__(
             LearnerActor.options(**placement.options(role, **({"name": names[rank]} if names else {}))).remote(
-                threads=threads or max(1, int(placement.options(role)["num_cpus"]))
+                threads[0] or max(1, int(placement.options(role)["num_cpus"])), threads[1]
             )
             for rank, role in enumerate(roles)
         )
@@ -128,12 +177,14 @@ class LearnerGroup(ActorGroup):
         self.own_placement: Placement | None = None
 
     @classmethod
-    def on_own_placement(cls, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, wait_s: float = 120) -> LearnerGroup:
+    def on_own_placement(
+        cls, spec: LearnerSpec, num_learners: int, cpus_per_learner: float, wait_s: float = 120, threads: tuple[int, int] = (0, 0)
+    ) -> LearnerGroup:
         """A group in a placement group of its own (tests, tools), which `shutdown` frees too."""
         resources = {"CPU": cpus_per_learner, **({"GPU": 1.0} if spec.use_gpu else {})}
         placement = Placement([Bundle(f"learner-{i}", resources) for i in range(num_learners)], "raypo:learners", wait_s)
         try:
-            group = cls(spec, placement, num_learners)
+            group = cls(spec, placement, num_learners, threads=threads)
         except BaseException:
             placement.remove()
             raise

@@ -20,7 +20,8 @@ the ratios raypo / TRL. Compare ratios from one run: the machine is shared and n
 
 What still differs, by design of each: raypo's learner has the node's threads when it runs
 synchronously (roles take turns) and `resource.cpus_per_learner` threads (1 by default) when
-the engine samples ahead beside it, which has the rest (pipelines/rl/roles.py); TRL's one process
+the engine samples ahead beside it, which has the rest, and the node's share again once the engine
+is idle (pipelines/rl/roles.py, actors/learner.py:Widening); TRL's one process
 uses torch's default (every core) for generation and learning in turn (both counts are printed); TRL's ratio is 1 by
 construction (one update per generation, no old log-probs), raypo's is taken against the log-probs
 vLLM sampled with; the group std is offset by 1e-6 in raypo, 1e-4 in TRL; TRL's "generate" phase
@@ -72,7 +73,7 @@ def raypo_config(args, out_dir: str, off_policy_steps: int = 0):
             "training.epochs=1", f"training.lr={args.lr}", "training.warmup_steps=0", f"training.save_every={args.eval_every}",
             "training.keep_checkpoints=100000", f"algo.group_size={args.group}", "algo.kl_coef=0", "algo.entropy_coef=0",
             "algo.clip_eps=0.2", "algo.aggregate=token-mean", f"inference.max_tokens={args.max_tokens}",
-            "inference.temperature=1.0", "inference.top_p=1.0", "eval.every=0", "eval.samples=0",
+            "inference.temperature=1.0", "inference.top_p=1.0", "eval.every=0", "eval.samples=0", *args.set,
         ],
     )  # fmt: skip
 
@@ -118,7 +119,7 @@ def run_raypo(cfg) -> dict:
     snapshots = {int(p.name.split("_")[1]): p / "policy" for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     snapshots[cfg.training.steps] = run_dir / "final"
     return {
-        "threads": int(metrics[0]["learner_threads"]),
+        "threads": statistics.median(m["learner_threads"] for m in metrics),  # a step's mean over its update
         "step_s": [m["step_time"] for m in metrics],
         "phases": {p: [m.get(f"time_{p}", 0.0) for m in metrics] for p in ("generate", "reward", "learn", "sync")},
         "staleness": statistics.mean(m["staleness"] for m in metrics),
@@ -211,8 +212,9 @@ def report(results: list[dict], args) -> None:
     print(
         f"\n{args.model}: {args.prompts} prompts x {args.group} samples per step, <= {args.max_tokens} new tokens, lr {args.lr}"
     )
-    print(f"threads: raypo's learner {ours[0]['threads']} (pipelines/rl/roles.py:learner_threads; rollout apart)"
-          + (f", TRL {trl['threads']} (torch's default, generation and learning in turn)" if trl else ""))  # fmt: skip
+    threads = ", ".join(f"{r['name']} {r['threads']:.2f}" for r in ours)
+    print(f"threads (median step's mean): raypo's learner: {threads} (pipelines/rl/roles.py:learner_threads; rollout apart)"
+          + (f"; TRL {trl['threads']} (torch's default, generation and learning in turn)" if trl else ""))  # fmt: skip
     ratio_heads = [f"{r['name']} / TRL" for r in ours] if trl else []
     print(f"{'':<28}" + "".join(f"{r['name']:>18}" for r in results) + "".join(f"{h:>22}" for h in ratio_heads))
     rows = [("first_s", "step 0 s (warm-up)"), ("median_s", "median step s"), ("p90_s", "p90 step s")]
@@ -252,6 +254,9 @@ def main() -> int:
         "--off-policy-steps", type=int, nargs="+", default=[0], help="one raypo run per value of algo.off_policy_steps (0)"
     )
     parser.add_argument("--no-trl", action="store_true", help="raypo's runs only")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="raypo config overrides (training.micro_batch_size=8)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     for key, value in MODELS[args.model][1].items():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -126,7 +127,9 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     achieved = sum(shape.needed_flops(r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
     tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
     gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
-    per_learner = machine_gemm_flops(shape, gemm_rows, int(rows[0]["learner_threads"]))  # pipelines/rl/roles.py:learner_threads
+    # against the most threads the learner had (sampling ahead it widens once the engine is idle: actors/learner.py:Widening)
+    threads = math.ceil(max(r["learner_threads"] for r in rows))
+    per_learner = machine_gemm_flops(shape, gemm_rows, threads)
     return {"achieved": achieved, "gemm": per_learner * cfg.resource.num_learners}
 
 

@@ -1,5 +1,8 @@
 """Every actor's typed methods, on a real local Ray with real vLLM and DeepSpeed."""
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -207,6 +210,56 @@ def test_weight_sync_makes_rollout_greedy_equal_the_learner_model(local_ray, tin
     model.load_state_dict({k: torch.from_numpy(v) for k, v in after.items()})
     assert served == greedy_complete(model, AutoTokenizer.from_pretrained(tiny_model[0]), prompts, 8)
     group.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """Calls to `wait` return once `open` is called: work the test finishes when it chooses."""
+
+    def __init__(self):
+        self.opened = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.opened.wait()
+
+    async def open(self) -> None:
+        self.opened.set()
+
+
+@ray.remote(num_cpus=0)
+def _after(_done, value):
+    return value  # Ray runs this once `_done` is: `value`, ready then
+
+
+def test_an_update_beside_a_busy_engine_keeps_its_threads_and_takes_more_once_it_is_idle(
+    local_ray, tiny_model, batch_ref, buffer
+):
+    """actors/learner.py:Widening: `beside` stands for calls queued behind the engines beside the
+    learner (sampling ahead). Pending throughout, the update keeps its 1 thread; done before it
+    starts, it has 2 from the start; done between its two minibatches (the second is held back
+    until the test opens the gate, which finishes `beside` too), the first trains on 1 and the
+    second on 2. The metric is the update's threads averaged over its wall time."""
+    batch = ray.get(batch_ref)
+    targets = _targets(batch, np.linspace(0, 1, len(batch["response_ids"])).astype(np.float32))
+    rows = ray.get(buffer.add.remote(0, batch_ref, targets))["rows"]
+    first, second = minibatch_refs(buffer, batch_ref, targets, rows, rows // 2, 0)[0]
+    group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5, threads=(1, 2))
+
+    def update(minibatches, beside):
+        refs = group.run_async("train_step", LossSpec(), beside, each=[minibatches])
+        return refs[0]
+
+    try:
+        busy = Gate.remote()
+        assert ray.get(update([first], [busy.wait.remote()]))["learner_threads"] == 1.0
+        assert ray.get(update([first], [ray.put(None)]))["learner_threads"] == pytest.approx(2.0, abs=0.01)
+        engine_done = busy.wait.remote()
+        running = update([first, _after.remote(engine_done, second)], [engine_done])
+        time.sleep(1.0)  # the first minibatch trains (on 1 thread), then the update waits for the second
+        ray.get(busy.open.remote())
+        assert 1.0 < ray.get(running)["learner_threads"] < 2.0
+    finally:
+        group.shutdown()
 
 
 def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray, tiny_model, batch_ref, buffer):

@@ -41,9 +41,13 @@ def test_sampling_one_step_ahead_learns_as_the_synchronous_run(local_ray, tiny_m
     assert [m["staleness"] for m in sync_lines] == [0] * STEPS
     assert [m["staleness"] for m in ahead_lines] == [0] + [1] * (STEPS - 1)  # step 0's batch has no update before it
     # Synchronously the learner takes the node's threads (roles take turns); ahead it keeps its
-    # bundle's one CPU and the engine has the rest (pipelines/rl/roles.py:learner_threads).
-    assert {m["learner_threads"] for m in sync_lines} == {min(os.cpu_count() or 1, 4)}
-    assert {m["learner_threads"] for m in ahead_lines} == {1}
+    # bundle's one CPU while the engine samples and takes the node's once it is idle
+    # (pipelines/rl/roles.py:learner_threads, actors/learner.py:Widening): the last step samples
+    # nothing ahead, so its update has them from its start or its backward pass.
+    node = min(os.cpu_count() or 1, 4)
+    assert {m["learner_threads"] for m in sync_lines} == {node}
+    assert all(1 <= m["learner_threads"] <= node for m in ahead_lines)
+    assert node == 1 or ahead_lines[-1]["learner_threads"] > 1.2, ahead_lines[-1]
     # Sampling ahead hides most of the engine's time behind the step before (0.8 measured);
     # synchronously none of it is (the driver waits for the whole generation).
     assert statistics.median(m["rollout_overlap"] for m in ahead_lines[1:]) > 0.3

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,10 +112,21 @@ class Learner:
         self.steps_done = 0
         self.optimizer_steps = 0
         self.lr_scale = 1.0  # lowered by the driver's rollback after failed updates
+        # Called after each decoder layer's forward and before its backward: where the actor,
+        # sampling ahead, widens torch's threads once the engine beside it is idle (actors/learner.py).
+        self.between_layers: Callable[[], None] = lambda: None
+        for layer in _decoder_layers(self.model):
+            layer.register_forward_hook(self._after_layer)
 
     @property
     def model(self):
         return self.engine.module
+
+    def _after_layer(self, module, args, output) -> None:
+        self.between_layers()
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:  # a tensor hook runs as the backward reaches this layer's output
+            hidden.register_hook(lambda grad: self.between_layers())
 
     @torch.no_grad()
     def logprobs(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -464,6 +475,11 @@ class Learner:
         tensors = {k: torch.from_numpy(v) for k, v in state.items()}
         self.model.save_pretrained(out_dir, state_dict=tensors, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.tokenizer_dir).save_pretrained(out_dir)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | list:
+    """The model's longest ModuleList: a Hugging Face causal LM's decoder layers."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=[])
 
 
 def _load_model(spec: LearnerSpec):

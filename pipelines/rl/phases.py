@@ -233,7 +233,10 @@ def store_learn_sync(
         roles.buffer, batch, targets, rows, training.minibatch_size, cfg.seed + step, training.epochs, len(roles.learners.actors)
     )
     critic = roles.value.train_step.remote(minibatches) if roles.value else None
-    learned = roles.learners.update(update, minibatches, spec)
+    # Sampling ahead, a call queued behind each engine beside the learners is done once the engine
+    # is idle (its batch ahead sampled, an evaluation queued after it done): the ranks then take its cores.
+    beside = [[roles.rollouts[i].__ray_ready__.remote() for i in roles.beside_learners]] if cfg.algo.off_policy_steps else []
+    learned = roles.learners.update(update, minibatches, spec, *beside)
     side_metrics = ray.get(critic) if critic else {}
     phases.done("learn")
     try:

@@ -60,6 +60,9 @@ class Roles:
     # training (step -> problems, drawn by the driver) and their rl/phases.py Generations once launched.
     upcoming: dict = field(default_factory=dict)
     ahead: dict = field(default_factory=dict)
+    # The engines on a learner rank's node (`engines_beside_learners`): sampling ahead, the ranks
+    # take their cores once these are idle (rl/phases.py's store_learn_sync).
+    beside_learners: list[int] = field(default_factory=list)
     # Work for the first engine once a step's batch is generated, to run while the learners train
     # (the driver's evaluation beside the step): started by `generated`, once.
     after_generation: list = field(default_factory=list)
@@ -212,27 +215,42 @@ def learner_spec(cfg: RaypoConfig, model_dir: Path) -> LearnerSpec:
     )
 
 
+def nodes_of(placement: Placement) -> dict[str, str]:
+    """Each role's node id."""
+    return {where["role"]: where["node_id"] for where in placement.where()}
+
+
 def rollout_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int:
     """The engines' torch threads: `threads`, less those of the learners on their node when they
     sample ahead (algo.off_policy_steps), which runs them while the learners train."""
     if not cfg.algo.off_policy_steps:
         return threads  # roles take turns within a step
-    node = {where["role"]: where["node_id"] for where in placement.where()}
+    node = nodes_of(placement)
     beside = sum(node[f"learner-{rank}"] == node["rollout-0"] for rank in range(cfg.resource.num_learners))
     return max(1, threads - beside * threads_for(cfg.resource.cpus_per_learner))
 
 
-def learner_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int:
-    """Each learner rank's torch threads. Synchronous (roles take turns), the ranks and the critic
-    that trains beside them share their node's `threads`; sampling ahead (algo.off_policy_steps),
-    each rank keeps to its bundle's CPUs, the engine having the rest (`rollout_threads`)."""
+def learner_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> tuple[int, int]:
+    """Each learner rank's torch threads while the engines on its node sample, and when they are
+    idle. Roles taking turns (synchronous), the ranks and the critic that trains beside them share
+    their node's `threads`. Sampling ahead (algo.off_policy_steps), a rank keeps to its bundle's
+    CPUs while the engine samples (the engine has the rest, `rollout_threads`), and takes that
+    share once the engine is done (`engines_beside_learners`)."""
     own = threads_for(cfg.resource.cpus_per_learner)
-    if cfg.algo.off_policy_steps or cfg.resource.use_gpu:
-        return own
-    node = {where["role"]: where["node_id"] for where in placement.where()}
+    if cfg.resource.use_gpu:
+        return own, own
+    node = nodes_of(placement)
     learner_node = node["learner-0"]
     training = [role for role in node if role.startswith("learner-") or role == "value"]
-    return max(own, threads // sum(node[role] == learner_node for role in training))
+    shared = max(own, threads // sum(node[role] == learner_node for role in training))
+    return (own if cfg.algo.off_policy_steps else shared), shared
+
+
+def engines_beside_learners(placement: Placement) -> list[int]:
+    """The indices of the rollout engines on the node of a learner rank, whose cores the ranks share."""
+    node = nodes_of(placement)
+    learner_nodes = {node[role] for role in node if role.startswith("learner-")}
+    return [int(role.rsplit("-", 1)[1]) for role in node if role.startswith("rollout-") and node[role] in learner_nodes]
 
 
 def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Placement, checkpoints: str | None = None) -> Roles:
@@ -306,4 +324,5 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         watch=ActorWatch(restartable, res.max_actor_restarts),
         reference=reference,
         value=value,
+        beside_learners=engines_beside_learners(placement),
     )
