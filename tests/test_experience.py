@@ -1,9 +1,9 @@
-"""The pure batch functions between rollout and learning (pipelines/rl/experience.py), by hand."""
+"""The pure batch functions between rollout and learning (pipelines/algos/experience.py), by hand."""
 
 import numpy as np
 import pytest
 
-from pipelines.rl.experience import concat_batches, prepare_experience
+from pipelines.algos.experience import concat_batches, prepare_experience
 
 
 def _batch(prompts, responses, prompt_index, finished=None):

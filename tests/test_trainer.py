@@ -205,25 +205,26 @@ def _process_of(run: str, role: str) -> int:
 
 
 def test_roles_whose_process_dies_are_restarted_and_the_run_loses_nothing(local_ray, tiny_model, tmp_path, capsys):
-    """SIGKILL to the process of the rollout engine, the reward, the reference and the buffer, one
-    after each of steps 0-3: Ray restarts each, the driver re-issues their lost work (the engine
-    gets the current weights first), and every step's metrics equal an undisturbed run's. The
-    restarted buffer takes its step back from its spill file, which was corrupted: quarantined."""
+    """SIGKILL to the process of the rollout engine, the reward and the helper actor, the
+    reference and the buffer, after steps 0-3: Ray restarts each, the driver re-issues their lost
+    work (the engine gets the current weights first; Ray retries the helper's call), and every
+    step's metrics equal an undisturbed run's. The restarted buffer takes its step back from its
+    spill file, which was corrupted: quarantined."""
     undisturbed = [json.loads(x) for x in _run_lines(tmp_path, "calm")]
-    kills = {0: "rollout-0", 1: "reward", 2: "reference", 3: "buffer"}
+    kills = {0: ["rollout-0"], 1: ["reward", "helpers"], 2: ["reference"], 3: ["buffer"]}
     spilled = tmp_path / "chaos" / "experience" / "step_000003.parquet"
 
-    def kill_one(metrics):
+    def kill_some(metrics):
         if metrics["step"] == 3:
             spilled.write_bytes(spilled.read_bytes()[:-64])
-        if metrics["step"] in kills:
-            os.kill(_process_of("chaos", kills[metrics["step"]]), signal.SIGKILL)
+        for role in kills.get(metrics["step"], []):
+            os.kill(_process_of("chaos", role), signal.SIGKILL)
 
-    lines = [json.loads(x) for x in _run_lines(tmp_path, "chaos", on_metrics=kill_one)]
+    lines = [json.loads(x) for x in _run_lines(tmp_path, "chaos", on_metrics=kill_some)]
     said = capsys.readouterr().err
-    for role in kills.values():
+    for role in [role for roles in kills.values() for role in roles]:
         assert f"recovered: {role} lost its process" in said, role
-    assert [m["actor_restarts"] for m in lines] == [0, 1, 2, 3, 4]  # each counted at the step after its kill
+    assert [m["actor_restarts"] for m in lines] == [0, 1, 3, 4, 5]  # each counted at the step after its kill
     assert [m["buffer_quarantined"] for m in lines] == [0, 0, 0, 0, 1] and (spilled.parent / "quarantine" / spilled.name).exists()
     for calm, chaos in zip(undisturbed, lines, strict=True):
         assert {k: chaos[k] for k in EXACT} == {k: calm[k] for k in EXACT}, calm["step"]

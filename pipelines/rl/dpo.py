@@ -24,7 +24,7 @@ def dpo_spec(cfg: RaypoConfig) -> DPOSpec:
 
 
 def _pairs_and_reference(roles: Roles, problems: list[Problem]):
-    pairs = roles.encode_pairs.remote(roles.model_dir, [pair_of(p) for p in problems])
+    pairs = roles.helpers.encode_pairs.remote(roles.model_dir, [pair_of(p) for p in problems])
     return pairs, roles.reference.pair_logprobs.remote(pairs)
 
 

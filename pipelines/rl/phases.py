@@ -117,7 +117,7 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
     infos = ray.get([info for _, info in generation.parts])  # an engine that keeps failing raises here
     facts = {"weights_version": min(i["weights_version"] for i in infos), "time_generate_busy": max(i["seconds"] for i in infos)}
     batches = [batch for batch, _ in generation.parts]
-    return (batches[0] if len(batches) == 1 else roles.concat_batches.remote(*batches)), facts
+    return (batches[0] if len(batches) == 1 else roles.helpers.concat_batches.remote(*batches)), facts
 
 
 def _failed_shares(generation: Generation) -> set[int]:
@@ -193,7 +193,7 @@ def compute_advantages(
     """Refs to the step's targets (advantages; reference log-probs; returns for a critic) and
     its summary stats, computed by a Ray task next to the data."""
     algo = cfg.algo
-    return roles.prepare_experience.remote(
+    return roles.helpers.prepare_experience.remote(
         batch,
         scores,
         reference_logprobs,

@@ -21,22 +21,23 @@ import ray
 from tqdm import tqdm
 
 from actors.buffer import ExperienceBuffer, minibatch_refs
+from actors.helpers import HelperActor
 from actors.learner import LearnerGroup
 from actors.placement import Bundle, Placement
 from pipelines.config import RaypoConfig
 from pipelines.data.dataset import load_task
 from pipelines.data.evaluate import pairwise_tau
-from pipelines.data.preferences import PreferencePair, encode_reward_pairs_for, heldout_pairs, varied_pairs
+from pipelines.data.preferences import PreferencePair, heldout_pairs, varied_pairs
 from pipelines.data.storage import local_path
 from pipelines.data.tasks import Problem
 from pipelines.models.resolve import resolve_model_path
 from pipelines.rl.monitor import Sinks
-from pipelines.rl.roles import ROLE_CPUS, learner_spec, reserve, resource_plan
+from pipelines.rl.roles import learner_spec, reserve, resource_plan
 from pipelines.rl.trainer import ray_session
 
 
 def rm_plan(cfg: RaypoConfig, by_node_type: bool = False) -> list[Bundle]:
-    """The bundles of reward-model training: the learners, the buffer and a helper task."""
+    """The bundles of reward-model training: the learners, the buffer and the helper actor."""
     return [b for b in resource_plan(cfg, by_node_type) if b.role.startswith("learner-") or b.role in ("buffer", "helpers")]
 
 
@@ -51,12 +52,11 @@ class RewardModelTrainer:
         spec = dataclasses.replace(learner_spec(cfg, model_dir), head="score", l2_coef=cfg.rm.l2_coef)
         self.buffer = ExperienceBuffer.options(**placement.options("buffer")).remote(1)
         self.learners = LearnerGroup(spec, placement, cfg.resource.num_learners)
-        helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
-        self.encode = ray.remote(encode_reward_pairs_for).options(**helper)
+        self.helpers = HelperActor.options(**placement.options("helpers")).remote()
 
     def pairs_ref(self, pairs: list[PreferencePair]):
-        """A ref to the reward-model inputs of `pairs`, encoded by a Ray task."""
-        return self.encode.remote(self.model_dir, pairs)
+        """A ref to the reward-model inputs of `pairs`, encoded by the helper actor."""
+        return self.helpers.encode_reward_pairs.remote(self.model_dir, pairs)
 
     def evaluate(self, pairs_ref) -> dict:
         """Held-out pairwise accuracy, Kendall tau and mean margin of the RM's scores."""
@@ -95,6 +95,7 @@ class RewardModelTrainer:
 
     def shutdown(self) -> None:
         ray.kill(self.buffer)
+        ray.kill(self.helpers)
         self.learners.shutdown()
         self.placement.remove()
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import ray
 from ray.actor import ActorHandle
-from ray.remote_function import RemoteFunction
 from ray.util.placement_group import PlacementGroup
 
 from actors.buffer import ExperienceBuffer
 from actors.common import ResourceFitError, check_fit, cpu_shortfall, threads_for
 from actors.core.learner import LearnerSpec
 from actors.core.reward import RefreshSpec
+from actors.helpers import HelperActor
 from actors.learner import LearnerGroup
 from actors.placement import Bundle, Placement
 from actors.reference import ReferenceActor
@@ -29,8 +29,6 @@ from actors.value import ValueActor
 from actors.weight_sync import WeightSync, make_weight_sync
 from pipelines.algos.sampling import SamplingSpec
 from pipelines.config import NODE_TYPE_RESOURCE, NODE_TYPE_SHARE, RaypoConfig
-from pipelines.data.preferences import encode_pairs_for
-from pipelines.rl.experience import concat_batches, prepare_experience
 from pipelines.rl.recovery import ActorWatch
 
 
@@ -41,16 +39,14 @@ def actor_name(cfg: RaypoConfig, role: str) -> str:
 
 @dataclass
 class Roles:
-    """Handles to a run's actors and helper tasks."""
+    """Handles to a run's actors."""
 
     rollouts: list[ActorHandle[RolloutActor]]
     reward: ActorHandle[RewardActor]
     learners: LearnerGroup
     buffer: ActorHandle[ExperienceBuffer]
     weight_sync: WeightSync
-    prepare_experience: RemoteFunction  # rl/experience.py's prepare_experience, as a Ray task
-    concat_batches: RemoteFunction  # rl/experience.py's concat_batches, as a Ray task
-    encode_pairs: RemoteFunction  # data/preferences.py's encode_pairs_for(model_dir, pairs), as a Ray task
+    helpers: ActorHandle[HelperActor]  # the step's targets, batches concatenated, pairs encoded
     model_dir: str  # the policy's starting weights and tokenizer
     placement: Placement  # the run's placement group: which bundle, and so which node, each role took
     watch: ActorWatch  # which of the restartable roles Ray restarted (rl/recovery.py)
@@ -81,7 +77,7 @@ class Roles:
 
     def shutdown(self) -> None:
         """End every actor of the run and free its placement group."""
-        for actor in [*self.rollouts, self.reward, self.buffer, self.reference, self.value]:
+        for actor in [*self.rollouts, self.reward, self.buffer, self.helpers, self.reference, self.value]:
             if actor is not None:
                 ray.kill(actor)
         self.learners.shutdown()
@@ -90,8 +86,7 @@ class Roles:
 
 # CPUs each role reserves in Ray's scheduler. A role's torch threads are set apart from this
 # (roles take turns within a step), so the reservations only have to fit the machine together.
-ROLE_CPUS = {"rollout": 0.2, "reference": 0.2, "value": 0.2, "reward": 0.05, "buffer": 0.05, "helper task": 0.05}
-HELPER_TASKS = 2  # prepare_experience and concat_batches may run at once, in the `helpers` bundle
+ROLE_CPUS = {"rollout": 0.2, "reference": 0.2, "value": 0.2, "reward": 0.05, "buffer": 0.05, "helpers": 0.1}
 
 
 def role_bundle(cfg: RaypoConfig, role: str, kind: str, cpus: float, by_node_type: bool, gpu: bool = False) -> Bundle:
@@ -127,7 +122,7 @@ def resource_plan(cfg: RaypoConfig, by_node_type: bool = False) -> list[Bundle]:
     plan += [
         role_bundle(cfg, "reward", "reward", ROLE_CPUS["reward"], by_node_type),
         role_bundle(cfg, "buffer", "buffer", ROLE_CPUS["buffer"], by_node_type),
-        role_bundle(cfg, "helpers", "helpers", HELPER_TASKS * ROLE_CPUS["helper task"], by_node_type),
+        role_bundle(cfg, "helpers", "helpers", ROLE_CPUS["helpers"], by_node_type),
     ]
     if cfg.algo.uses_reference:
         plan.append(role_bundle(cfg, "reference", "reference", ROLE_CPUS["reference"], by_node_type))
@@ -309,16 +304,15 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
     names = [actor_name(cfg, f"learner-{rank}") for rank in range(res.num_learners)]
     spec = learner_spec(cfg, model_dir)
     learners = LearnerGroup(spec, placement, res.num_learners, names, learner_threads(cfg, placement, threads))
-    helper = placement.task_options("helpers", ROLE_CPUS["helper task"])
+    helpers = HelperActor.options(**options("helpers")).remote()
+    restartable["helpers"] = helpers
     return Roles(
         rollouts=rollouts,
         reward=reward,
         learners=learners,
         buffer=buffer,
         weight_sync=make_weight_sync(res.weight_sync, learners, rollouts, res.use_gpu),
-        prepare_experience=ray.remote(prepare_experience).options(**helper, num_returns=2),
-        concat_batches=ray.remote(concat_batches).options(**helper),
-        encode_pairs=ray.remote(encode_pairs_for).options(**helper),
+        helpers=helpers,
         model_dir=str(model_dir),
         placement=placement,
         watch=ActorWatch(restartable, res.max_actor_restarts),

@@ -1,7 +1,7 @@
 """Pure functions over a step's experience: one batch from several rollout actors, and the
 targets the learners fit (advantages, returns, reference log-probs) with the step's summary
-stats. They run as Ray tasks next to the data (see rl/roles.py), never in the driver; plain
-numpy and torch here."""
+stats. They run in the run's helper actor (actors/helpers.py), never in the driver; plain numpy
+and torch here."""
 
 from __future__ import annotations
 
