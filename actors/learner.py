@@ -132,7 +132,8 @@ class Widening:
         self._set(self.threads)
 
     def mean(self) -> float:
-        return self.thread_seconds / self.seconds if self.seconds else float(self.now)
+        # rounded: a mean of one count over unequal spans comes out a float's ulp off it (3.0000000000000004)
+        return round(self.thread_seconds / self.seconds, 3) if self.seconds else float(self.now)
 
     def _set(self, threads: int) -> None:
         elapsed, self.since = time.perf_counter() - self.since, time.perf_counter()

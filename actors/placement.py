@@ -77,11 +77,6 @@ class Placement:
             **extra,
         }
 
-    def task_options(self, role: str, num_cpus: float, **extra) -> dict:
-        """`.options(...)` for a small task that runs inside `role`'s bundle, taking `num_cpus` of it."""
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.offset + self.index[role])
-        return {"num_cpus": num_cpus, "scheduling_strategy": strategy, **extra}
-
     def where(self) -> list[dict]:
         """Where each role was placed: role, node id, node IP and the node's cluster.yaml type
         (`head` for the head node, null for a node of no raypo type)."""

@@ -473,7 +473,7 @@ class ResourceConfig(Strict):
     max_actor_restarts: int = Field(
         3,
         ge=0,
-        description="times Ray restarts each rollout, reward, reference, value and buffer actor whose process dies "
+        description="times Ray restarts each rollout, reward, reference, value, buffer and helper actor whose process dies "
         "(the driver re-issues the lost work of the step); past it the run stops (0 = a dead actor stops the run)",
     )
 

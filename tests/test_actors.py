@@ -236,7 +236,7 @@ def test_an_update_beside_a_busy_engine_keeps_its_threads_and_takes_more_once_it
 ):
     """actors/learner.py:Widening: `beside` stands for calls queued behind the engines beside the
     learner (sampling ahead). Pending throughout, the update keeps its 1 thread; done before it
-    starts, it has 2 from the start; done between its two minibatches (the second is held back
+    starts, it has 2 from (about) the start; done between its two minibatches (the second is held back
     until the test opens the gate, which finishes `beside` too), the first trains on 1 and the
     second on 2. The metric is the update's threads averaged over its wall time."""
     batch = ray.get(batch_ref)
@@ -252,7 +252,9 @@ def test_an_update_beside_a_busy_engine_keeps_its_threads_and_takes_more_once_it
     try:
         busy = Gate.remote()
         assert ray.get(update([first], [busy.wait.remote()]))["learner_threads"] == 1.0
-        assert ray.get(update([first], [ray.put(None)]))["learner_threads"] == pytest.approx(2.0, abs=0.01)
+        # done already, it may still read as pending at the update's first look (the rank asks the
+        # ref's owner): then it widens at the first layer, after the shard's fetch
+        assert ray.get(update([first], [ray.put(None)]))["learner_threads"] > 1.8
         engine_done = busy.wait.remote()
         running = update([first, _after.remote(engine_done, second)], [engine_done])
         time.sleep(1.0)  # the first minibatch trains (on 1 thread), then the update waits for the second

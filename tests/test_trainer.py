@@ -207,7 +207,7 @@ def _process_of(run: str, role: str) -> int:
 def test_roles_whose_process_dies_are_restarted_and_the_run_loses_nothing(local_ray, tiny_model, tmp_path, capsys):
     """SIGKILL to the process of the rollout engine, the reward and the helper actor, the
     reference and the buffer, after steps 0-3: Ray restarts each, the driver re-issues their lost
-    work (the engine gets the current weights first; Ray retries the helper's call), and every
+    work (the engine gets the current weights first; the helper's next call waits for its restart), and every
     step's metrics equal an undisturbed run's. The restarted buffer takes its step back from its
     spill file, which was corrupted: quarantined."""
     undisturbed = [json.loads(x) for x in _run_lines(tmp_path, "calm")]

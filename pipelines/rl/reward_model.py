@@ -52,7 +52,10 @@ class RewardModelTrainer:
         spec = dataclasses.replace(learner_spec(cfg, model_dir), head="score", l2_coef=cfg.rm.l2_coef)
         self.buffer = ExperienceBuffer.options(**placement.options("buffer")).remote(1)
         self.learners = LearnerGroup(spec, placement, cfg.resource.num_learners)
-        self.helpers = HelperActor.options(**placement.options("helpers")).remote()
+        restarts = cfg.resource.max_actor_restarts
+        self.helpers = HelperActor.options(
+            **placement.options("helpers"), max_restarts=restarts, max_task_retries=restarts
+        ).remote()
 
     def pairs_ref(self, pairs: list[PreferencePair]):
         """A ref to the reward-model inputs of `pairs`, encoded by the helper actor."""
