@@ -191,7 +191,7 @@ def compute_advantages(
     roles: Roles, cfg: RaypoConfig, step: int, batch, scores, reference_logprobs, values=None, lam: float | None = None
 ):
     """Refs to the step's targets (advantages; reference log-probs; returns for a critic) and
-    its summary stats, computed by a Ray task next to the data."""
+    its summary stats, computed by the helper actor (actors/helpers.py) next to the data."""
     algo = cfg.algo
     return roles.helpers.prepare_experience.remote(
         batch,
