@@ -281,15 +281,20 @@ def test_autoscaling_adds_a_replica_under_sustained_load(server):
     assert _replicas().get("RUNNING", 0) == 2
 
 
-def _broken_copy(checkpoint: str, dest: Path) -> str:
-    """The checkpoint with one layer too many in config.json: it passes the static checks
-    (config.json, safetensors) and fails when the engine loads it."""
+def _break(checkpoint: Path) -> None:
+    """One layer too many in the checkpoint's config.json: it passes the static checks
+    (config.json, safetensors) and fails when an engine loads it."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+
+def _copy(checkpoint: str, dest: Path, broken: bool = False) -> str:
     import shutil
 
     shutil.copytree(checkpoint, dest)
-    config = json.loads((dest / "config.json").read_text())
-    config["num_hidden_layers"] += 1
-    (dest / "config.json").write_text(json.dumps(config))
+    if broken:
+        _break(dest)
     return str(dest)
 
 
@@ -308,21 +313,24 @@ def test_promote_gates_on_health_and_rolls_back_after_5_failed_checks(server, tr
 
     # A checkpoint whose engine cannot load never takes traffic.
     with pytest.raises(ops.ServeOpError, match="v2 did not take traffic.*v1 stays live"):
-        ops.promote(_broken_copy(trained_checkpoint, tmp_path / "broken"), ready_timeout_s=300)
+        ops.promote(_copy(trained_checkpoint, tmp_path / "broken", broken=True), ready_timeout_s=300)
     table = ops.status()
     assert table["live"] == "v1" and {r["name"]: r["state"] for r in table["versions"]}["v2"] == "failed"
     assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
 
     # A good one comes up beside v1, passes the gate and takes traffic; v1 is kept.
-    table = ops.promote(trained_checkpoint, ready_timeout_s=300)
+    good = _copy(trained_checkpoint, tmp_path / "good")
+    table = ops.promote(good, ready_timeout_s=300)
     assert table["live"] == "v3"
     assert {r["name"]: r["state"] for r in table["versions"]} == {"v1": "previous", "v2": "failed", "v3": "live"}
     status, health = _request(f"{server}/health", key=None)
     assert status == 200 and health["version"] == "v3"
     assert _request(f"{server}/v1/completions", body=GOOD)[0] == 200
 
-    # v3's engine dies: it fails its checks while Serve restarts it, and after 5 in a row
-    # traffic goes back to v1 by itself.
+    # v3's engine dies and cannot come back (its checkpoint broke after it went live, so Serve's
+    # restarts fail): it fails its checks, and after 5 in a row traffic goes back to v1 by itself.
+    # (A plain kill races Serve: a restart back within the 5 checks rightly keeps v3 live.)
+    _break(Path(good))
     assert _kill_replicas_of("raypo-v3") >= 1
     deadline = time.monotonic() + 120
     while ops.status()["live"] != "v1" and time.monotonic() < deadline:
@@ -348,5 +356,6 @@ def test_prometheus_metrics_include_serve_and_rollback_counters(server):
         if ("ray_serve_num_http_requests" in text and "raypo_serve_live_version" in text) or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert "ray_serve_num_http_requests" in text
-    assert "raypo_serve_live_version" in text
+    ours = sorted({line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("raypo_")})
+    assert "ray_serve_num_http_requests" in text, ours
+    assert "raypo_serve_live_version" in text, ours
