@@ -271,6 +271,32 @@ def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):
     assert learner._with_proximal(parts[:1]) == parts[:1]  # one minibatch reads them off its own forward pass
 
 
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05, 1e6])
+def test_gradients_are_clipped_to_grad_clip_and_the_metric_is_their_norm_before(learner, grad_clip):
+    """Without ZeRO in float32 the learner clips (DeepSpeed's clipping is off there): against the
+    norm and the scaled gradients computed apart in float64, for no clipping (0), a clip that
+    bites, and one that does not."""
+    import dataclasses
+
+    assert learner.clips_here and learner.engine.gradient_clipping() == 0.0
+    spec, learner.spec = learner.spec, dataclasses.replace(learner.spec, grad_clip=grad_clip)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        params = list(learner.model.parameters())
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        grads = [p.grad.double().clone() for p in params]
+        norm = sum((g**2).sum() for g in grads).sqrt().item()
+        scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip else 1.0
+        assert learner._clip_gradients() == pytest.approx(norm, rel=1e-5)
+        for p, g in zip(params, grads, strict=True):
+            np.testing.assert_allclose(p.grad.double().numpy(), (g * scale).numpy(), rtol=1e-5, atol=1e-12)
+        assert (scale < 0.5) == (grad_clip == 0.05)  # the middle case does clip
+    finally:
+        learner.spec = spec
+        learner.engine.zero_grad()
+
+
 def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):
     """8 rows in micro-batches of at most 3 (3 + 3 + 2), with the entropy and KL terms on: the
     same weights and metrics as the whole minibatch in one pass (the losses add up, the per-token

@@ -95,10 +95,13 @@ class Learner:
             optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr, weight_decay=spec.l2_coef, fused=True)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, fused=True)
+        # float32 without ZeRO: raypo clips, with one norm over all gradients that is also the
+        # metric (DeepSpeed would take its own norm, parameter by parameter, and not keep it).
+        self.clips_here = spec.zero_stage == 0 and not spec.bf16
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # raypo shapes batches itself; one backward per optimizer step
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": spec.grad_clip,
+            "gradient_clipping": 0.0 if self.clips_here else spec.grad_clip,
             "zero_optimization": {"stage": spec.zero_stage},
             "zero_allow_untested_optimizer": True,  # a plain torch AdamW avoids DeepSpeed's JIT-built Adam ops
             "bf16": {"enabled": spec.bf16},
@@ -298,13 +301,7 @@ class Learner:
             return skipped
         lr = self._set_lr()
         self.engine.backward(total)
-        # Without ZeRO, DeepSpeed clips but does not keep the norm; the grads are already
-        # averaged over ranks here, so the norm read off them is the global one (the same on every rank).
-        grad_norm = (
-            None
-            if self.spec.zero_stage
-            else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]).item()
-        )
+        grad_norm = self._clip_gradients()
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.engine.zero_grad()  # a non-finite gradient: the same skip
             return skipped
@@ -319,6 +316,17 @@ class Learner:
         out["lr"] = lr
         out["update_success"] = 1.0
         return out
+
+    def _clip_gradients(self) -> float | None:
+        """Without ZeRO, the gradients' global norm, after clipping them to `grad_clip` where raypo
+        clips (`clips_here`). They are already averaged over ranks here, so the norm read off them
+        is the global one, the same on every rank. None under ZeRO: DeepSpeed clips and keeps it."""
+        if self.spec.zero_stage:
+            return None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.clips_here and self.spec.grad_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip, foreach=True).item()
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).item()
 
     def dpo_step(self, minibatches: Iterable[Shard], spec: DPOSpec) -> dict[str, float]:
         """DPO update on a step's preference pairs (`pipelines.data.preferences.encode_pairs` rows

@@ -215,17 +215,17 @@ def nodes_of(placement: Placement) -> dict[str, str]:
     return {where["role"]: where["node_id"] for where in placement.where()}
 
 
-def rollout_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> int:
+def rollout_threads(cfg: RaypoConfig, node: dict[str, str], threads: int) -> int:
     """The engines' torch threads: `threads`, less those of the learners on their node when they
-    sample ahead (algo.off_policy_steps), which runs them while the learners train."""
+    sample ahead (algo.off_policy_steps), which runs them while the learners train. `node`:
+    each role's node id (`nodes_of`)."""
     if not cfg.algo.off_policy_steps:
         return threads  # roles take turns within a step
-    node = nodes_of(placement)
     beside = sum(node[f"learner-{rank}"] == node["rollout-0"] for rank in range(cfg.resource.num_learners))
     return max(1, threads - beside * threads_for(cfg.resource.cpus_per_learner))
 
 
-def learner_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> tuple[int, int]:
+def learner_threads(cfg: RaypoConfig, node: dict[str, str], threads: int) -> tuple[int, int]:
     """Each learner rank's torch threads while the engines on its node sample, and when they are
     idle. Roles taking turns (synchronous), the ranks and the critic that trains beside them share
     their node's `threads`. Sampling ahead (algo.off_policy_steps), a rank keeps to its bundle's
@@ -234,16 +234,14 @@ def learner_threads(cfg: RaypoConfig, placement: Placement, threads: int) -> tup
     own = threads_for(cfg.resource.cpus_per_learner)
     if cfg.resource.use_gpu:
         return own, own
-    node = nodes_of(placement)
     learner_node = node["learner-0"]
     training = [role for role in node if role.startswith("learner-") or role == "value"]
     shared = max(own, threads // sum(node[role] == learner_node for role in training))
     return (own if cfg.algo.off_policy_steps else shared), shared
 
 
-def engines_beside_learners(placement: Placement) -> list[int]:
+def engines_beside_learners(node: dict[str, str]) -> list[int]:
     """The indices of the rollout engines on the node of a learner rank, whose cores the ranks share."""
-    node = nodes_of(placement)
     learner_nodes = {node[role] for role in node if role.startswith("learner-")}
     return [int(role.rsplit("-", 1)[1]) for role in node if role.startswith("rollout-") and node[role] in learner_nodes]
 
@@ -253,6 +251,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
     the learners when their process dies; restarted, the reward model and critic come back from
     the newest whole checkpoint under `checkpoints`."""
     res, threads = cfg.resource, min(os.cpu_count() or 1, 4)
+    node = nodes_of(placement)  # one read of the cluster's nodes for the whole start
 
     def options(role: str, retry_calls: bool = True) -> dict:
         restarts = res.max_actor_restarts
@@ -262,7 +261,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
     rollouts = [
         RolloutActor.options(**options(f"rollout-{i}", retry_calls=False)).remote(
             str(model_dir),
-            rollout_threads(cfg, placement, threads),
+            rollout_threads(cfg, node, threads),
             dtype=cfg.model.dtype,
             seed=cfg.seed + i,
             gpu_memory_fraction=res.gpu_memory_fraction,
@@ -303,7 +302,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         restartable["value"] = value
     names = [actor_name(cfg, f"learner-{rank}") for rank in range(res.num_learners)]
     spec = learner_spec(cfg, model_dir)
-    learners = LearnerGroup(spec, placement, res.num_learners, names, learner_threads(cfg, placement, threads))
+    learners = LearnerGroup(spec, placement, res.num_learners, names, learner_threads(cfg, node, threads))
     helpers = HelperActor.options(**options("helpers")).remote()
     restartable["helpers"] = helpers
     return Roles(
@@ -318,5 +317,5 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         watch=ActorWatch(restartable, res.max_actor_restarts),
         reference=reference,
         value=value,
-        beside_learners=engines_beside_learners(placement),
+        beside_learners=engines_beside_learners(node),
     )
