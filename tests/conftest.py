@@ -101,6 +101,50 @@ print("RAYPO_JSON " + json.dumps({
 """
 
 
+RELOADED_TWO_WAYS = """
+import json, sys
+import numpy as np, torch
+from actors.core.generator import Generator
+from actors.core.weight_sync import tensors_from_arrays
+from pipelines.algos.sampling import SamplingSpec
+from pipelines.models.vllm_reload import load_in_place
+from transformers import AutoModelForCausalLM
+model_dir, prompts = sys.argv[1], sys.argv[2:]
+generator = Generator(model_dir)
+hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+gen = torch.Generator().manual_seed(0)
+moved = {k: (v + 0.02 * v.std() * torch.randn(v.shape, generator=gen)).numpy() for k, v in hf.items()}
+
+def sample():
+    out = generator.generate(prompts, n=4, sampling=SamplingSpec(), max_tokens=6, seeds=range(len(prompts)))
+    return out["response_ids"].tolist(), out["behaviour_logprobs"].tolist()
+
+before = sample()
+def on_worker(fn):
+    return generator.llm.collective_rpc(lambda worker: fn(worker.model_runner))[0]
+
+fast = on_worker(lambda runner: load_in_place(runner.get_model(), tensors_from_arrays(moved)))
+after_fast = sample()
+without_a_layer = {k: v.numpy() for k, v in hf.items() if "layers.0.mlp.down_proj" not in k}
+partial = on_worker(lambda runner: load_in_place(runner.get_model(), tensors_from_arrays(without_a_layer)))
+unchanged = sample()
+for state in ({k: v.numpy() for k, v in hf.items()}, moved):
+    on_worker(lambda runner: runner.reload_weights(weights_iterator=iter(tensors_from_arrays(state))))
+after_vllm = sample()
+print("RAYPO_JSON " + json.dumps({"fast": fast, "partial": partial, "before": before, "after_fast": after_fast,
+                                 "unchanged": unchanged, "after_vllm": after_vllm}))
+"""
+
+
+def reloaded_two_ways(model_dir, prompts: list[str]) -> dict:
+    """Seeded samples (ids, log-probs) from one engine in its own process: before, after the
+    Hugging Face weights moved by noise are loaded by `load_in_place` (`fast`: it applied), after
+    a load missing one layer (`partial`: refused, nothing touched), and after vLLM's own
+    `reload_weights` of the original weights and then the same moved ones."""
+    command = [sys.executable, "-c", RELOADED_TWO_WAYS, str(model_dir), *prompts]
+    return _printed_json(command, dict(os.environ))
+
+
 def decoded_after_and_by_the_engine(model_dir, prompts: list[str], max_tokens: int, temperature: float) -> dict[str, list]:
     """Seeded samples (4 per prompt) from a rollout's vLLM engine in its own process, decoded as
     the engine samples them (`engine`, their `CompletionOutput.text`) and after sampling, as the

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import decoded_after_and_by_the_engine
+from conftest import decoded_after_and_by_the_engine, reloaded_two_ways
 
 from actors.buffer import ExperienceBuffer, minibatch_refs
 from actors.core.learner import LearnerSpec
@@ -326,3 +326,19 @@ def test_a_placement_the_cluster_cannot_give_is_named_and_freed(local_ray):
         Placement([Bundle("learner-0", {"CPU": 64.0})], name="raypo:too-big", wait_s=2)
     made = {k: v for k, v in ray.util.placement_group_table().items() if k not in before}
     assert made and all(v["state"] == "REMOVED" for v in made.values()), made
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_in_place_reload_samples_as_vllms_own_reload(model, request):
+    """`load_in_place` (CPU, without vLLM's layerwise machinery) against vLLM's `reload_weights` of
+    the same weights into the same engine: the same seeded samples and log-probs, different from
+    those before. The tiny model has its own LM head; SmolLM2 ties it to the embeddings and
+    shares key/value heads. A load that leaves a layer out is refused and changes nothing."""
+    model_dir = request.getfixturevalue("tiny_model" if model == "tiny" else "smollm2")[0]
+    prompts = [p.prompt for p in Arithmetic().sample(6, "heldout", seed=3)]
+    got = reloaded_two_ways(model_dir, prompts)
+    assert got["fast"] is True and got["partial"] is False
+    assert got["after_fast"][0] == got["after_vllm"][0]
+    np.testing.assert_allclose(got["after_fast"][1], got["after_vllm"][1], rtol=0, atol=1e-5)
+    assert got["unchanged"] == got["after_fast"]
+    assert got["before"][1] != got["after_fast"][1]

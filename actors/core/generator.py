@@ -18,6 +18,7 @@ import numpy as np
 from actors.core.weight_sync import open_group, receive, tensors_from_arrays
 from pipelines.algos.sampling import SamplingSpec
 from pipelines.models.vllm_engine import greedy, make_llm, sampling_params
+from pipelines.models.vllm_reload import load_in_place
 
 
 class Generator:
@@ -111,8 +112,7 @@ class Generator:
         """Receive the weights learner rank 0 broadcasts now, and load them in place."""
 
         def load(worker):
-            tensors = receive(worker.raypo_weight_group, layout, getattr(worker, "device", "cpu"))
-            worker.model_runner.reload_weights(weights_iterator=tensors)
+            _reload(worker, list(receive(worker.raypo_weight_group, layout, getattr(worker, "device", "cpu"))))
 
         self.llm.collective_rpc(load)
         return self._weights_loaded(version)
@@ -126,11 +126,15 @@ class Generator:
         """Load `state` (parameter name -> array, Hugging Face names) into the engine in place."""
         tensors = tensors_from_arrays(state)
 
-        def reload(worker):
-            worker.model_runner.reload_weights(weights_iterator=iter(tensors))
-
-        self.llm.collective_rpc(reload)
+        self.llm.collective_rpc(lambda worker: _reload(worker, tensors))
         return self._weights_loaded(version)
+
+
+def _reload(worker, tensors: list) -> None:
+    """Load `tensors` into the worker's model in place: on CPU without vLLM's layerwise machinery
+    where that applies (pipelines/models/vllm_reload.py), else with vLLM's `reload_weights`."""
+    if not load_in_place(worker.model_runner.get_model(), tensors):
+        worker.model_runner.reload_weights(weights_iterator=iter(tensors))
 
 
 def response_texts(tokenizer, samples: Sequence[tuple[Sequence[int], object]], params) -> list[str]:

@@ -1,0 +1,158 @@
+"""Loading new weights into a running vLLM model on CPU, in place, without vLLM's layerwise reload.
+
+vLLM's `reload_weights` puts every layer back on the meta device, wraps each parameter's loader
+to count what arrived, re-materializes the layer once it is whole, and re-runs its post-load
+processing. On CPU that processing is the part that matters: each unquantized linear layer's
+weight is packed for oneDNN (or the small-GEMM kernel) and the plain weight dropped
+(`dispatch_cpu_unquantized_gemm`), and the LM head keeps a packed copy beside its weight. The
+rest is bookkeeping, and on the tiny model it was most of a 20 ms reload, every step.
+
+`load_in_place` does only what the processing needs: each linear layer gets its whole new
+weight (the packed modules, q/k/v into qkv_proj and gate/up into gate_up_proj, concatenated in
+vLLM's order) and is processed again by its own quant method; embeddings, the LM head and the
+norms load through their parameters' own weight loaders (the vocabulary padding is theirs), and
+an embedding-like layer whose weight changed is processed again (its packed copy). It takes
+only what it fully understands: an unquantized model on CPU whose every parameter the tensors
+name, with no LoRA; anything else returns False before a weight is touched, and the caller
+uses vLLM's `reload_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Linear:
+    module: torch.nn.Module
+    weights: list[torch.Tensor | None]  # one per packed shard (one for a plain layer)
+    biases: list[torch.Tensor | None]
+
+
+@dataclass
+class _Plan:
+    linears: dict[str, _Linear] = field(default_factory=dict)
+    params: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+
+
+def load_in_place(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Load Hugging Face-named `tensors` into the vLLM `model` in place; False (and nothing
+    changed) where this path does not apply (see the module docstring)."""
+    plan = _plan(model, tensors)
+    if plan is None:
+        return False
+    with torch.no_grad():
+        for param, tensor in plan.params:
+            getattr(param, "weight_loader", _copy_into)(param, tensor)
+        for linear in plan.linears.values():
+            _reload_linear(linear)
+        changed = {id(param) for param, _ in plan.params}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if _is_embedding_method(getattr(module, "quant_method", None)) and id(weight) in changed:
+                module.quant_method.process_weights_after_loading(module)  # its packed copy for the LM head
+    return True
+
+
+def _copy_into(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    param.data.copy_(tensor)
+
+
+def _reload_linear(linear: _Linear) -> None:
+    module = linear.module
+    dtype = module.params_dtype if hasattr(module, "params_dtype") else torch.get_default_dtype()
+    parts = linear.weights
+    whole = torch.cat([w.to(dtype) for w in parts]) if len(parts) > 1 else parts[0].to(dtype, copy=True)
+    module.weight = torch.nn.Parameter(whole.contiguous(), requires_grad=False)
+    if any(b is not None for b in linear.biases):
+        module.bias.data.copy_(torch.cat(linear.biases))
+    module.quant_method.process_weights_after_loading(module)  # packs the weight, as at load
+
+
+def _is_linear_method(method) -> bool:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    return type(method) is UnquantizedLinearMethod
+
+
+def _is_embedding_method(method) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return type(method) is UnquantizedEmbeddingMethod
+
+
+def _plan(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Tensor]]) -> _Plan | None:
+    """Where each tensor goes, or None where this path does not apply."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or any("LoRA" in type(m).__name__ for m in model.modules()):
+        return None
+    packed_modules = getattr(model, "packed_modules_mapping", {})
+    shard_of = {part: (packed, i) for packed, parts in packed_modules.items() for i, part in enumerate(parts)}
+    plan, loaded = _Plan(), set()
+    for name, tensor in tensors:
+        target = _place(plan, model, shard_of, name, tensor)
+        if target is None:
+            return None
+        loaded.add(id(target))
+    if not all(_linear_whole(linear) for linear in plan.linears.values()) or not _covers(model, loaded):
+        return None
+    return plan
+
+
+def _place(plan: _Plan, model: torch.nn.Module, shard_of: dict, name: str, tensor: torch.Tensor):
+    """Add the tensor named `name` to `plan`; the linear module or parameter it loads, or None."""
+    module_path, _, kind = name.rpartition(".")
+    parent, _, last = module_path.rpartition(".")
+    packed, index = shard_of.get(last, (last, 0))
+    try:
+        module = model.get_submodule(f"{parent}.{packed}" if parent else packed)
+    except AttributeError:
+        return None
+    method = getattr(module, "quant_method", None)
+    if _is_linear_method(method) and kind in ("weight", "bias"):
+        return module if _place_shard(plan, module, f"{parent}.{packed}", kind, index, tensor, last != packed) else None
+    param = getattr(module, kind, None)
+    if not isinstance(param, torch.nn.Parameter) or last != packed:
+        return None
+    if method is not None and not _is_embedding_method(method):
+        return None  # quantized or otherwise processed: vLLM's own reload
+    if not hasattr(param, "weight_loader") and param.shape != tensor.shape:
+        return None  # a plain copy would broadcast (an embedding's loader handles its padding)
+    plan.params.append((param, tensor))
+    return param
+
+
+def _covers(model: torch.nn.Module, loaded: set[int]) -> bool:
+    """Every linear layer and every other parameter gets new weights: none is left stale."""
+    for module in model.modules():
+        if _is_linear_method(getattr(module, "quant_method", None)):
+            if id(module) not in loaded:
+                return False
+        elif any(id(param) not in loaded for param in module.parameters(recurse=False)):
+            return False
+    return True
+
+
+def _linear_whole(linear: _Linear) -> bool:
+    """Every shard of the layer's weight arrived, and its bias's where it has one."""
+    has_bias = getattr(linear.module, "bias", None) is not None
+    return all(w is not None for w in linear.weights) and (
+        all(b is not None for b in linear.biases) if has_bias else not any(b is not None for b in linear.biases)
+    )
+
+
+def _place_shard(plan: _Plan, module, path: str, kind: str, index: int, tensor: torch.Tensor, packed: bool) -> bool:
+    sizes = list(getattr(module, "output_partition_sizes", None) or [module.output_size_per_partition])
+    if packed != (len(sizes) > 1) or index >= len(sizes):
+        return False
+    linear = plan.linears.setdefault(path, _Linear(module, [None] * len(sizes), [None] * len(sizes)))
+    rows = sizes[index] if packed else sum(sizes)
+    shape = (rows, module.input_size_per_partition) if kind == "weight" else (rows,)
+    if tuple(tensor.shape) != shape:
+        return False
+    (linear.weights if kind == "weight" else linear.biases)[index] = tensor
+    return True
