@@ -342,3 +342,34 @@ def test_in_place_reload_samples_as_vllms_own_reload(model, request):
     np.testing.assert_allclose(got["after_fast"][1], got["after_vllm"][1], rtol=0, atol=1e-5)
     assert got["unchanged"] == got["after_fast"]
     assert got["before"][1] != got["after_fast"][1]
+
+
+def test_in_place_reload_refuses_what_it_does_not_know_and_touches_nothing():
+    """A replicated linear layer (a MoE gate's kind), a tensor of the wrong shape, or another
+    architecture: `load_in_place` returns False with the weights as they were (vLLM's reload runs)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from pipelines.models.vllm_reload import load_in_place
+
+    class LlamaForCausalLM(torch.nn.Module):  # the name is what load_in_place checks first
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(4, bias=False)
+            # A stand-in with ReplicatedLinear's attributes (no input_size_per_partition): the real
+            # layer needs vLLM's tensor-parallel group, which only an engine sets up.
+            self.gate = torch.nn.Linear(4, 8, bias=False)
+            self.gate.quant_method, self.gate.output_partition_sizes = UnquantizedLinearMethod(), [8]
+
+    model = LlamaForCausalLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not load_in_place(model, [("norm.weight", torch.full((4,), 2.0)), ("gate.weight", torch.ones(8, 4))])
+    model.gate = torch.nn.Identity()
+    assert not load_in_place(model, [("norm.weight", torch.full((5,), 2.0))])  # a copy would not broadcast it in
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert load_in_place(model, [("norm.weight", torch.full((4,), 2.0))])  # all it has, the right shape: loaded
+    assert torch.equal(model.norm.weight, torch.full((4,), 2.0))
+
+    class Other(LlamaForCausalLM):
+        pass
+
+    assert not load_in_place(Other(), [("norm.weight", torch.full((4,), 2.0))])

@@ -12,9 +12,9 @@ weight (the packed modules, q/k/v into qkv_proj and gate/up into gate_up_proj, c
 vLLM's order) and is processed again by its own quant method; embeddings, the LM head and the
 norms load through their parameters' own weight loaders (the vocabulary padding is theirs), and
 an embedding-like layer whose weight changed is processed again (its packed copy). It takes
-only what it fully understands: an unquantized model on CPU whose every parameter the tensors
-name, with no LoRA; anything else returns False before a weight is touched, and the caller
-uses vLLM's `reload_weights`.
+only what it fully understands: an unquantized Llama-architecture model (`ARCHITECTURES`) on CPU
+whose every parameter the tensors name, each with its shape, with no LoRA; anything else returns
+False before a weight is touched, and the caller uses vLLM's `reload_weights`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# The architectures whose whole post-load processing is their linear and embedding layers' (no
+# attention or model-level step that `load_in_place` would skip), checked against vLLM's reload in
+# tests/test_actors.py. Any other falls back to vLLM's `reload_weights`.
+ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 
 @dataclass
@@ -41,7 +46,10 @@ class _Plan:
 def load_in_place(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
     """Load Hugging Face-named `tensors` into the vLLM `model` in place; False (and nothing
     changed) where this path does not apply (see the module docstring)."""
-    plan = _plan(model, tensors)
+    try:
+        plan = _plan(model, tensors)
+    except Exception:  # planning touches nothing: what it cannot read is vLLM's reload's to load
+        plan = None
     if plan is None:
         return False
     with torch.no_grad():
@@ -88,7 +96,9 @@ def _plan(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Tensor]]) -
     """Where each tensor goes, or None where this path does not apply."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or any("LoRA" in type(m).__name__ for m in model.modules()):
+    if not current_platform.is_cpu() or type(model).__name__ not in ARCHITECTURES:
+        return None
+    if any("LoRA" in type(m).__name__ or getattr(m, "_cpu_skip_gemm_dispatch", False) for m in model.modules()):
         return None
     packed_modules = getattr(model, "packed_modules_mapping", {})
     shard_of = {part: (packed, i) for packed, parts in packed_modules.items() for i, part in enumerate(parts)}
@@ -120,8 +130,10 @@ def _place(plan: _Plan, model: torch.nn.Module, shard_of: dict, name: str, tenso
         return None
     if method is not None and not _is_embedding_method(method):
         return None  # quantized or otherwise processed: vLLM's own reload
-    if not hasattr(param, "weight_loader") and param.shape != tensor.shape:
-        return None  # a plain copy would broadcast (an embedding's loader handles its padding)
+    # checked before anything loads: a plain copy would broadcast, a loader would fail halfway
+    expected = (module.org_vocab_size, param.shape[1]) if _is_embedding_method(method) else tuple(param.shape)
+    if tuple(tensor.shape) != expected:
+        return None
     plan.params.append((param, tensor))
     return param
 
@@ -146,6 +158,8 @@ def _linear_whole(linear: _Linear) -> bool:
 
 
 def _place_shard(plan: _Plan, module, path: str, kind: str, index: int, tensor: torch.Tensor, packed: bool) -> bool:
+    if not hasattr(module, "input_size_per_partition"):
+        return False  # a replicated layer (a MoE gate, ...): vLLM's own reload
     sizes = list(getattr(module, "output_partition_sizes", None) or [module.output_size_per_partition])
     if packed != (len(sizes) > 1) or index >= len(sizes):
         return False
