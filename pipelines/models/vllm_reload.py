@@ -52,9 +52,11 @@ def load_in_place(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Ten
         plan = None
     if plan is None:
         return False
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
     with torch.no_grad():
         for param, tensor in plan.params:
-            getattr(param, "weight_loader", _copy_into)(param, tensor)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
         for linear in plan.linears.values():
             _reload_linear(linear)
         changed = {id(param) for param, _ in plan.params}
@@ -63,10 +65,6 @@ def load_in_place(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Ten
             if _is_embedding_method(getattr(module, "quant_method", None)) and id(weight) in changed:
                 module.quant_method.process_weights_after_loading(module)  # its packed copy for the LM head
     return True
-
-
-def _copy_into(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
-    param.data.copy_(tensor)
 
 
 def _reload_linear(linear: _Linear) -> None:
