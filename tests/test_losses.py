@@ -16,6 +16,7 @@ from pipelines.algos.losses import (
     logprobs_from_logits,
     masked_aggregate,
     ppo_policy_loss,
+    token_logprobs,
     value_loss,
 )
 
@@ -212,6 +213,50 @@ def test_entropy_matches_torch_distributions(seed, scale):
     logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(seed)) * scale
     expected = torch.distributions.Categorical(logits=logits).entropy()
     torch.testing.assert_close(entropy_from_logprobs(logits.log_softmax(-1)), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 7), (4, 11), (1, 1, 2)])
+def test_token_logprobs_match_log_softmax_in_float64_values_entropy_and_gradients(shape, dtype):
+    """`token_logprobs` (its own backward) against autograd through float64 `log_softmax`, with
+    Categorical's entropy: wide logits (scale 8), any leading shape, float32 and bf16 inputs
+    (upcast), a gradient of its own for each token's log-prob."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    logits = (torch.randn(*shape, generator=gen) * 8).to(dtype)
+    ids = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    upstream = torch.randn(shape[:-1], generator=gen, dtype=torch.float64)
+    reference = logits.double().requires_grad_()
+    expected = torch.log_softmax(reference, -1).gather(-1, ids[..., None])[..., 0]
+    (expected * upstream).sum().backward()
+    mine = logits.detach().requires_grad_()
+    logp, entropy = token_logprobs(mine, ids, with_entropy=True)
+    (logp * upstream.float()).sum().backward()
+    assert logp.dtype == torch.float32 and not entropy.requires_grad
+    torch.testing.assert_close(logp.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    # lse - sum(p * logits) cancels: its absolute error is a few float32 ulps of the largest logit (~20 here)
+    expected_entropy = torch.distributions.Categorical(logits=reference.detach()).entropy()
+    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(mine.grad.double(), reference.grad, rtol=1e-4, atol=1e-4 if dtype == torch.float32 else 1e-2)
+    # without a graph and without the entropy: the same log-probs, and None for the entropy
+    with torch.no_grad():
+        plain, none = token_logprobs(logits, ids)
+    assert none is None
+    torch.testing.assert_close(plain, logp.detach(), rtol=0, atol=0)
+
+
+def test_token_logprobs_entropy_with_minus_infinity_logits_and_one_backward_only():
+    """Logits of -inf (a masked token) give p = 0 and add 0 to the entropy, which the dot product
+    would make NaN (0 * -inf): such positions are taken again through `entropy_from_logprobs`.
+    The backward writes into the probabilities it saved, so a second backward of the same graph
+    fails loudly instead of computing from overwritten numbers."""
+    logits = torch.tensor([[0.0, 1.0, float("-inf")], [2.0, 0.5, -1.0]], requires_grad=True)
+    logp, entropy = token_logprobs(logits, torch.tensor([1, 0]), with_entropy=True)
+    expected = torch.distributions.Categorical(logits=logits.detach()).entropy()
+    torch.testing.assert_close(entropy, expected)
+    logp.sum().backward(retain_graph=True)
+    torch.testing.assert_close(logits.grad[0], torch.tensor([-0.2689, 0.2689, 0.0]), atol=1e-4, rtol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()
 
 
 def test_logprobs_from_logits_gather_the_chosen_tokens():

@@ -71,12 +71,15 @@ def test_an_entropy_without_a_graph_has_the_same_value_and_leaves_the_gradients_
     logp, full, entropy = token_logprobs_and_entropy(logits, ids, spec, entropy_grad=True)
     logp0, full0, entropy0 = token_logprobs_and_entropy(logits, ids, spec, entropy_grad=False)
     assert entropy.requires_grad and not entropy0.requires_grad
-    torch.testing.assert_close(entropy0, entropy.detach(), rtol=0, atol=0)
-    torch.testing.assert_close(logp0, logp, rtol=0, atol=0)
+    # without truncation and without an entropy graph the log-probs come from `token_logprobs`
+    # (fewer passes over the logits): the same numbers up to float32 rounding
+    exact = {"rtol": 0, "atol": 0} if spec.truncates else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(entropy0, entropy.detach(), **exact)
+    torch.testing.assert_close(logp0, logp, **exact)
     # the policy-gradient term's gradient is the same whether or not an entropy graph was built
     (grad_with,) = torch.autograd.grad(logp.sum() + 0.0 * entropy.sum(), logits, retain_graph=True)
     (grad_without,) = torch.autograd.grad(logp0.sum(), logits)
-    torch.testing.assert_close(grad_without, grad_with, rtol=0, atol=0)
+    torch.testing.assert_close(grad_without, grad_with, **exact)
 
 
 @pytest.mark.parametrize("widths", [(4, 3), (4, 1)])

@@ -58,26 +58,44 @@ def response_logits(model, inputs: dict[str, torch.Tensor], temperature: float) 
     take): the head over the prompt positions would be `[n, P, V]` of work and memory nobody reads
     (SmolLM2's vocabulary is 49,152). A model without `logits_to_keep` computes all and is sliced.
     """
+    parts = response_logit_parts(model, inputs, temperature)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def response_logit_parts(model, inputs: dict[str, torch.Tensor], temperature: float) -> list[torch.Tensor]:
+    """`response_logits` as the model's passes give them, pieces `[n, t, V]` in order along T:
+    what is computed position by position (log-probs, entropies) is computed on each piece and
+    its `[n, T]` results joined, instead of copying the `[n, T, V]` logits into one tensor."""
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
-    logits = _over_shared_prompts(model, inputs, P, T) if shares_prompts(model) else None
-    if logits is None:
+    parts = _over_shared_prompts(model, inputs, P, T) if shares_prompts(model) else None
+    if parts is None:
         predicting = torch.arange(P - 1, P - 1 + T)  # position P-1 predicts response token 0
         kwargs = {"logits_to_keep": predicting} if takes_logits_to_keep(model) else {}
         ids, mask, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
-        logits = out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]  # [n, T, V]
-    logits = logits.float()  # a no-op for float32 weights; bf16 logits are upcast once, here
-    return logits if temperature == 1.0 else logits / temperature
+        parts = [out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]]  # [n, T, V]
+    parts = [logits.float() for logits in parts]  # a no-op for float32 weights; bf16 logits are upcast once, here
+    return parts if temperature == 1.0 else [logits / temperature for logits in parts]
 
 
-def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int) -> torch.Tensor | None:
-    """`response_logits` with each distinct prompt run once: a group's samples share their prompt,
-    so the prompt pass runs over the distinct prompts (its last position predicts response token
-    0), and its keys and values, copied to every row of the prompt, are the cache the responses
-    attend to in a second pass. Gradients reach the prompt pass through the copies, summed. The
-    same logits as one pass over prompt + response, up to float rounding (tests/test_modeling.py);
-    None when no two rows share a prompt."""
+def response_logprobs(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """`[n, T]`: each response token's log-prob under the model's full softmax at `temperature`."""
+    ids, done, out = inputs["response_ids"], 0, []
+    for logits in response_logit_parts(model, inputs, temperature):
+        out.append(logprobs_from_logits(logits, ids[:, done : done + logits.shape[1]]))
+        done += logits.shape[1]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int) -> list[torch.Tensor] | None:
+    """`response_logit_parts` with each distinct prompt run once: a group's samples share their
+    prompt, so the prompt pass runs over the distinct prompts (its last position predicts response
+    token 0), and its keys and values, copied to every row of the prompt, are the cache the
+    responses attend to in a second pass. Gradients reach the prompt pass through the copies,
+    summed. The same logits as one pass over prompt + response, up to float rounding
+    (tests/test_modeling.py), in two pieces (`[n, 1, V]`, `[n, T - 1, V]`); None when no two rows
+    share a prompt."""
     prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
     if len(distinct) == len(prompts):
@@ -87,7 +105,7 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
     head = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     first = head.logits[row_prompt]  # [n, 1, V]: the last prompt position predicts response token 0
     if T == 1:
-        return first
+        return [first]
     cache = head.past_key_values
     cache.reorder_cache(row_prompt)  # [distinct, ...] -> [n, ...], each row its prompt's
     rest = model(
@@ -98,7 +116,7 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
         use_cache=True,
         logits_to_keep=torch.arange(T - 1),  # response position t predicts response token t + 1
     )
-    return torch.cat([first, rest.logits], dim=1)  # [n, T, V]
+    return [first, rest.logits]  # [n, 1, V], [n, T - 1, V]
 
 
 def shares_prompts(model) -> bool:
@@ -149,8 +167,7 @@ def completion_logprobs(model, pairs: Mapping[str, np.ndarray], rows: np.ndarray
     """Summed log-probability `[n]` of the `side` completion of each pair in `rows`, at the
     model's own temperature (1): DPO compares these sequence log-probs."""
     inputs = sequence_tensors(completion_view(pairs, side), rows)
-    logits = response_logits(model, inputs, 1.0)  # [n, T, V]
-    logp = logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"]  # [n, T]
+    logp = response_logprobs(model, inputs, 1.0) * inputs["response_mask"]  # [n, T]
     return logp.sum(dim=-1)  # [n, T] -> [n]
 
 

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logits, sequence_tensors
-from pipelines.algos.losses import logprobs_from_logits
+from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logprobs, sequence_tensors
 
 
 class ReferenceScorer:
@@ -31,8 +30,7 @@ class ReferenceScorer:
         out = []
         for start in range(0, n, self.batch_rows):
             inputs = sequence_tensors(batch, np.arange(start, min(n, start + self.batch_rows)))
-            logits = response_logits(self.model, inputs, self.temperature)
-            out.append(logprobs_from_logits(logits, inputs["response_ids"]) * inputs["response_mask"])
+            out.append(response_logprobs(self.model, inputs, self.temperature) * inputs["response_mask"])
         return torch.cat(out).numpy().astype(np.float32)
 
     @torch.no_grad()

@@ -104,8 +104,55 @@ def masked_aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float 
 
 def logprobs_from_logits(logits: Tensor, token_ids: Tensor) -> Tensor:
     """Log-probability of each chosen token: logits `[B, T, V]`, ids `[B, T]` -> `[B, T]`."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-    return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
+    return token_logprobs(logits, token_ids)[0]
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The log-probability of each chosen token under the full softmax, `[..., V]` logits and
+    `[...]` ids -> `[...]`, and (`with_entropy`) the distribution's entropy `[...]` as a value
+    without a gradient (None otherwise).
+
+    The same numbers as `log_softmax` then `gather` (tests/test_losses.py), in fewer passes over
+    the `[..., V]` logits: the log-sum-exp, one array of probabilities (the only `[..., V]` tensor
+    kept for the backward, whose gradient `(onehot - p) * g` is written into it in place) and, for
+    the entropy `lse - sum(p * logits)`, one dot product per position. `log_softmax` keeps its own
+    `[..., V]` output, and the entropy from it (`entropy_from_logprobs`) three more passes; at
+    SmolLM2's vocabulary of 49,152 that was most of a learner's time outside its matmuls. The
+    entropy, a difference of two numbers near the largest logit, is exact to a few float32 ulps
+    of that logit (1e-5 at logits of 20), not relative to a small entropy: it is a metric only.
+    Entropies that come out non-finite (logits of -inf: 0 * inf) are taken again the long way."""
+    logits = logits.float()  # a no-op for float32; bf16 logits are upcast once
+    logp, entropy = _TokenLogprobs.apply(logits, token_ids, with_entropy)
+    if not with_entropy:
+        return logp, None
+    if not torch.isfinite(entropy).all():
+        with torch.no_grad():
+            entropy = entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+    return logp, entropy
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """`token_logprobs`' forward and backward. The backward overwrites the probabilities it saved:
+    one backward per graph (a second, with `retain_graph`, would fail autograd's version check)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, token_ids: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
+        logp = logits.gather(-1, token_ids.unsqueeze(-1)).sub_(lse).squeeze(-1)  # [...]
+        probs = torch.sub(logits, lse).exp_() if with_entropy or ctx.needs_input_grad[0] else None  # [..., V]
+        # H = -sum p (logits - lse) = lse - sum p logits: a dot product per position, no [..., V] product
+        entropy = lse.squeeze(-1) - torch.einsum("...v,...v->...", probs, logits) if with_entropy else lse.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(probs, token_ids)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor, None, None]:
+        probs, token_ids = ctx.saved_tensors
+        grad = probs.mul_(grad_logp.neg().unsqueeze(-1))  # d logp_i / d logits = onehot_i - p
+        grad.scatter_add_(-1, token_ids.unsqueeze(-1), grad_logp.unsqueeze(-1))
+        return grad, None, None
 
 
 def entropy_from_logprobs(logp: Tensor) -> Tensor:

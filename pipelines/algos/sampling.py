@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipelines.algos.losses import entropy_from_logprobs, logprobs_from_logits
+from pipelines.algos.losses import entropy_from_logprobs, logprobs_from_logits, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,10 @@ def token_logprobs_and_entropy(
     >>> round(logp.exp().item(), 4), round(full.exp().item(), 4), round(entropy.item(), 4)  # 0.3 / 0.8 over {0, 1}
     (0.375, 0.3, 0.6616)
     """
+    if not spec.truncates and not (entropy_grad and torch.is_grad_enabled()):
+        # untruncated, the sampling distribution is the full softmax
+        token_logp, entropy = token_logprobs(logits, token_ids, with_entropy=True)
+        return token_logp, token_logp, entropy
     logp, removed = sampled_log_softmax(logits, spec, token_ids)  # [B, T, V]
     token_logp = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T, 1] -> [B, T]
     full_logp = token_logp if removed is None else logprobs_from_logits(logits, token_ids)  # [B, T]
