@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from actors.core.buffer import Buffer, CorruptSpill, checksum_path, enforce_limits, spill_files, to_numpy, to_record_batch
+from actors.core.minibatch import minibatches, shards
 
 
 def _experience(n=6, width=3, seed=0):
@@ -32,6 +33,21 @@ def test_minibatches_are_a_shuffled_partition():
     assert sorted(seen) == list(range(10)) and list(seen) != list(range(10))
     for p in parts:  # rows stay whole
         np.testing.assert_array_equal(p["response_text"], [f"r{i}" for i in p["prompt_index"]])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_minibatches_and_shards_keep_a_prompts_samples_together(seed):
+    """32 samples of 4 prompts (8 each, interleaved as a batch may come) at 16 per minibatch: each
+    minibatch holds two whole groups, the groups' order differs by seed, and on two learner ranks
+    each rank gets one whole group (so each runs its prompt once)."""
+    data = _experience(n=32) | {"prompt_index": np.arange(32) % 4}
+    parts = minibatches(data, 16, seed=seed)
+    assert [sorted(np.unique(p["prompt_index"], return_counts=True)[1]) for p in parts] == [[8, 8], [8, 8]]
+    assert sorted(np.concatenate([p["response_text"] for p in parts])) == sorted(data["response_text"])
+    for part in parts:
+        assert [np.unique(s.columns["prompt_index"]).size for s in shards(part, 2)] == [1, 1]
+    orders = {tuple(np.concatenate([p["prompt_index"] for p in minibatches(data, 16, seed=s)])[::8]) for s in range(6)}
+    assert len(orders) > 1
 
 
 def test_spill_to_parquet_zstd_and_read_back(tmp_path):

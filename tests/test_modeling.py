@@ -100,14 +100,21 @@ def test_a_prompt_a_group_shares_runs_once_with_the_same_logits_and_gradients(mo
     }
     inputs = sequence_tensors(batch, np.arange(6))
     weights = torch.from_numpy(rng.standard_normal((6, T, 50))).float()
-    passes = []  # the token shapes the model runs on, recorded by a hook that changes nothing
-    hook = model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape)))
+    passes, embedded = [], []  # the token shapes the model runs on and embeds, recorded by hooks that change nothing
+    hooks = [
+        model.model.layers[0].register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape[:2]))),
+        model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: embedded.append(tuple(args[0].shape))),
+    ]
     try:
         assert shares_prompts(model)
         shared = response_logits(model, inputs, 1.0)
     finally:
-        hook.remove()
-    assert passes == ([(2, P), (6, T)] if T > 1 else [(2, P)])
+        for hook in hooks:
+            hook.remove()
+    # the response pass leaves out the last response token (it predicts nothing that is read);
+    # both passes' tokens are embedded in one call (one dense gradient of the embedding)
+    assert passes == ([(2, P), (6, T - 1)] if T > 1 else [(2, P)])
+    assert embedded == [(2 * P + 6 * (T - 1),)]
     full = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
     expected = full.logits[:, P - 1 : P - 1 + T]
     torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1) -> Iterator[np.ndarray]:
+def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1, groups: np.ndarray | None = None) -> Iterator[np.ndarray]:
     """Row indices of each minibatch: `n` rows shuffled once with `seed`, cut into ceil(n / size)
     minibatches of equal size give or take one row (never more than `size`), the same order again
     for each of `epochs` passes.
@@ -18,12 +18,26 @@ def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1) -> Iterator[np
     of the same weight, so 130 rows at size 64 train as 44 + 43 + 43, not as 64 + 64 + a 2-row
     step that counts as much as a full one.
 
+    `groups` `[n]` (each row's prompt: a group's samples) shuffles whole groups instead of rows,
+    keeping each group's rows together: a minibatch then holds whole groups wherever the cuts
+    allow (always, when the minibatch size is a multiple of the group size), so a learner runs
+    each prompt once (`actors.core.modeling`) and its rows' advantages, centred on their group's
+    mean, stay together in one update.
+
     >>> [rows.tolist() for rows in minibatch_rows(5, 2, seed=0, epochs=2)]
     [[2, 4], [3, 0], [1], [2, 4], [3, 0], [1]]
     >>> [len(rows) for rows in minibatch_rows(130, 64, seed=0)]
     [44, 43, 43]
+    >>> [rows.tolist() for rows in minibatch_rows(6, 4, seed=0, groups=np.array([0, 0, 1, 1, 2, 2]))]
+    [[2, 3, 4], [5, 0, 1]]
     """
-    order = np.random.default_rng(seed).permutation(n)
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        order = rng.permutation(n)
+    else:
+        _, group_of_row = np.unique(groups, return_inverse=True)
+        place = rng.permutation(group_of_row.max() + 1)  # each group's place in the new order
+        order = np.argsort(place[group_of_row], kind="stable")  # a group's rows together, in their own order
     cuts = np.array_split(order, max(1, -(-n // size)))  # ceil(n / size) parts, sizes differ by <= 1
     for _ in range(epochs):
         yield from cuts
@@ -39,13 +53,15 @@ def minibatch_count(n: int, size: int, epochs: int = 1) -> int:
 
 
 def minibatches(columns: Mapping[str, np.ndarray], size: int, seed: int, epochs: int = 1) -> list[dict[str, np.ndarray]]:
-    """`columns` cut into the minibatches of `minibatch_rows` (rows stay whole).
+    """`columns` cut into the minibatches of `minibatch_rows` (rows stay whole), whole groups
+    shuffled when they have a `prompt_index` (rollout experience; preference pairs do not).
 
     >>> [mb["x"].tolist() for mb in minibatches({"x": np.arange(5) * 10}, 2, seed=0)]
     [[20, 40], [30, 0], [10]]
     """
     n = len(next(iter(columns.values())))
-    return [{k: v[rows] for k, v in columns.items()} for rows in minibatch_rows(n, size, seed, epochs)]
+    groups = columns.get("prompt_index")
+    return [{k: v[rows] for k, v in columns.items()} for rows in minibatch_rows(n, size, seed, epochs, groups)]
 
 
 def scored_tokens(columns: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -82,11 +98,12 @@ class Shard:
 
 
 def shards(minibatch: Mapping[str, np.ndarray], world_size: int) -> list[Shard]:
-    """Each rank's `Shard` of a minibatch: rank r gets rows r, r + world_size, ...
+    """Each rank's `Shard` of a minibatch: consecutive rows, as many each give or take one (the
+    minibatch keeps a group's rows together: so does a rank, which runs their prompt once).
 
     >>> mb = {"response_mask": np.array([[1, 1], [1, 0], [0, 0]]), "x": np.arange(3)}
     >>> [(s.columns["x"].tolist(), s.owned, s.rows, s.tokens, s.sequences) for s in shards(mb, 2)]
-    [([0, 2], 2, 3, 3.0, 2.0), ([1], 1, 3, 3.0, 2.0)]
+    [([0, 1], 2, 3, 3.0, 2.0), ([2], 1, 3, 3.0, 2.0)]
     >>> [(s.columns["x"].tolist(), s.owned) for s in shards({"x": np.arange(1)}, 2)]
     [([0], 1), ([0], 0)]
     """
@@ -94,18 +111,17 @@ def shards(minibatch: Mapping[str, np.ndarray], world_size: int) -> list[Shard]:
     tokens = scored_tokens(minibatch).sum(axis=1) if "response_mask" in minibatch else np.zeros(0)
     whole = {"rows": rows, "tokens": float(tokens.sum()), "sequences": float((tokens > 0).sum())}
     out = []
-    for rank in range(world_size):
-        mine = np.arange(rank, rows, world_size)
+    for mine in np.array_split(np.arange(rows), world_size):
         columns = {k: v[mine if len(mine) else np.arange(1)] for k, v in minibatch.items()}
         out.append(Shard(columns, owned=len(mine), **whole))
     return out
 
 
 def joined(parts: Iterable[Shard]) -> dict[str, np.ndarray]:
-    """The rows of a minibatch's shards together again (rank by rank, not in the minibatch's order).
+    """The rows of a minibatch's shards together again, in the minibatch's order.
 
     >>> joined(shards({"x": np.arange(5)}, 2))["x"].tolist()
-    [0, 2, 4, 1, 3]
+    [0, 1, 2, 3, 4]
     """
     parts = [p for p in parts if p.owned]
     return {k: np.concatenate([p.columns[k] for p in parts]) for k in parts[0].columns}

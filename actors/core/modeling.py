@@ -72,7 +72,8 @@ def response_logit_parts(model, inputs: dict[str, torch.Tensor], temperature: fl
     if parts is None:
         predicting = torch.arange(P - 1, P - 1 + T)  # position P-1 predicts response token 0
         kwargs = {"logits_to_keep": predicting} if takes_logits_to_keep(model) else {}
-        ids, mask, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+        # without the last response token, which predicts nothing that is read
+        ids, mask, positions = (inputs[k][:, :-1] for k in ("input_ids", "attention_mask", "position_ids"))
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
         parts = [out.logits if kwargs else out.logits[:, P - 1 : P - 1 + T]]  # [n, T, V]
     parts = [logits.float() for logits in parts]  # a no-op for float32 weights; bf16 logits are upcast once, here
@@ -102,21 +103,37 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
         return None
     ids, mask = distinct[:, :P], distinct[:, P:]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    head = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    # Both passes' tokens through the input embedding at once: a tied embedding's gradient (the
+    # LM head's too) is one dense [V, hidden] array per embedding call, zeroed and then summed.
+    responses = inputs["input_ids"][:, P : P + T - 1]  # the last response token predicts nothing that is read
+    embedded = _embed(model, torch.cat([ids.reshape(-1), responses.reshape(-1)]))
+    prompt_embeds, response_embeds = embedded.split([ids.numel(), responses.numel()])
+    head = model(
+        inputs_embeds=prompt_embeds.view(*ids.shape, -1),
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     first = head.logits[row_prompt]  # [n, 1, V]: the last prompt position predicts response token 0
     if T == 1:
         return [first]
     cache = head.past_key_values
     cache.reorder_cache(row_prompt)  # [distinct, ...] -> [n, ...], each row its prompt's
     rest = model(
-        input_ids=inputs["input_ids"][:, P:],
-        attention_mask=inputs["attention_mask"],
-        position_ids=inputs["position_ids"][:, P:],
+        inputs_embeds=response_embeds.view(*responses.shape, -1),
+        attention_mask=inputs["attention_mask"][:, : P + T - 1],
+        position_ids=inputs["position_ids"][:, P : P + T - 1],
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=torch.arange(T - 1),  # response position t predicts response token t + 1
+        logits_to_keep=0,  # all: response position t predicts response token t + 1
     )
     return [first, rest.logits]  # [n, 1, V], [n, T - 1, V]
+
+
+def _embed(model, ids: torch.Tensor) -> torch.Tensor:
+    """`ids` through the input embedding of `model` (or of the module a DeepSpeed engine wraps)."""
+    return getattr(model, "module", model).get_input_embeddings()(ids)
 
 
 def shares_prompts(model) -> bool:
