@@ -174,12 +174,12 @@ def test_buffer_serves_the_steps_minibatches_as_object_refs_the_caller_owns(buff
     assert sorted(rows) == list(range(n)) and list(rows) != list(range(n))  # one shuffled pass
     assert all(set(p.columns) == {*batch, "advantages"} and p.owned == p.rows for p in parts)
     assert [len(r) for r in minibatch_refs(buffer, batch_ref, targets, n, n, 0)] == [1]
-    # three learner ranks: each gets every third row of each minibatch, and the whole minibatch's counts
+    # three learner ranks: each gets a third of each minibatch's rows, consecutive ones, and the whole minibatch's counts
     per_rank = minibatch_refs(buffer, batch_ref, targets, n, 12, 0, ranks=3)
     assert [len(r) for r in per_rank] == [-(-n // 12)] * 3
     for shards in zip(*[ray.get(r) for r in per_rank], strict=True):
         mb = np.concatenate([s.columns["advantages"][:, 0] for s in shards]).astype(int)
-        assert [s.owned for s in shards] == [len(range(r, len(mb), 3)) for r in range(3)] and len(set(mb)) == len(mb)
+        assert [s.owned for s in shards] == [len(part) for part in np.array_split(mb, 3)] and len(set(mb)) == len(mb)
         tokens = batch["response_mask"][mb].sum()
         assert all(s.rows == len(mb) and s.tokens == tokens for s in shards)
     # the caller owns the minibatches: they outlive the buffer that cut them

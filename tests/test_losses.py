@@ -248,7 +248,7 @@ def test_token_logprobs_entropy_with_minus_infinity_logits_and_one_backward_only
     """Logits of -inf (a masked token) give p = 0 and add 0 to the entropy, which the dot product
     would make NaN (0 * -inf): such positions are taken again through `entropy_from_logprobs`.
     The backward writes into the probabilities it saved, so a second backward of the same graph
-    fails loudly instead of computing from overwritten numbers."""
+    fails loudly instead of computing from overwritten numbers, and so does a double backward."""
     logits = torch.tensor([[0.0, 1.0, float("-inf")], [2.0, 0.5, -1.0]], requires_grad=True)
     logp, entropy = token_logprobs(logits, torch.tensor([1, 0]), with_entropy=True)
     expected = torch.distributions.Categorical(logits=logits.detach()).entropy()
@@ -257,6 +257,11 @@ def test_token_logprobs_entropy_with_minus_infinity_logits_and_one_backward_only
     torch.testing.assert_close(logits.grad[0], torch.tensor([-0.2689, 0.2689, 0.0]), atol=1e-4, rtol=0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         logp.sum().backward()
+    # nor a gradient of the gradient, which the in-place backward does not build
+    fresh = logits.detach().requires_grad_()
+    (grad,) = torch.autograd.grad(token_logprobs(fresh, torch.tensor([1, 0]))[0].square().sum(), fresh, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
 
 
 def test_logprobs_from_logits_gather_the_chosen_tokens():

@@ -61,7 +61,7 @@ def test_response_logits_equal_the_full_forward_sliced_by_hand(model, inputs, te
         sliced = response_logits(NoLogitsToKeep(model), inputs, temperature)
     assert kept.shape == (3, 3, 50)
     torch.testing.assert_close(kept, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(sliced, expected, rtol=0, atol=0)
+    torch.testing.assert_close(sliced, expected, rtol=1e-6, atol=1e-6)  # one column fewer than `full`: another GEMM shape
 
 
 @pytest.mark.parametrize("spec", [SamplingSpec(), SamplingSpec(top_p=0.8), SamplingSpec(top_k=5, temperature=0.9)])
@@ -112,9 +112,8 @@ def test_a_prompt_a_group_shares_runs_once_with_the_same_logits_and_gradients(mo
         for hook in hooks:
             hook.remove()
     # the response pass leaves out the last response token (it predicts nothing that is read);
-    # both passes' tokens are embedded in one call (one dense gradient of the embedding)
     assert passes == ([(2, P), (6, T - 1)] if T > 1 else [(2, P)])
-    assert embedded == [(2 * P + 6 * (T - 1),)]
+    assert embedded == passes
     full = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
     expected = full.logits[:, P - 1 : P - 1 + T]
     torch.testing.assert_close(shared, expected, rtol=1e-5, atol=1e-5)

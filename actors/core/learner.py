@@ -260,7 +260,7 @@ class Learner:
         kl_term, kl = torch.zeros(()), torch.zeros(())
         if "reference_logprobs" in batch:
             # Both sides full softmax at the sampling temperature (the reference is never truncated),
-            # so the term is 0 exactly where the policy equals the reference, at any top-k / top-p.
+            # so the term is 0 (to float rounding) where the policy equals the reference, at any top-k / top-p.
             ref = torch.from_numpy(batch["reference_logprobs"][mine])
             kl_term = masked_aggregate(kl_penalty(full_logp, ref, spec.kl_kind), mask, spec.aggregate, normalizer)
             if spec.kl_coef > 0:

@@ -19,10 +19,11 @@ def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1, groups: np.nda
     step that counts as much as a full one.
 
     `groups` `[n]` (each row's prompt: a group's samples) shuffles whole groups instead of rows,
-    keeping each group's rows together: a minibatch then holds whole groups wherever the cuts
-    allow (always, when the minibatch size is a multiple of the group size), so a learner runs
-    each prompt once (`actors.core.modeling`) and its rows' advantages, centred on their group's
-    mean, stay together in one update.
+    keeping each group's rows together: each cut then splits at most the one group it falls in,
+    and none when the cuts' size (n / their number) is a multiple of the group size (32 rows of
+    groups of 8 at `size` 16; not 24 rows at 16, cut 12 + 12), so a learner runs each prompt once
+    per minibatch (`actors.core.modeling`) and a group's advantages, centred on its own mean,
+    stay in one update.
 
     >>> [rows.tolist() for rows in minibatch_rows(5, 2, seed=0, epochs=2)]
     [[2, 4], [3, 0], [1], [2, 4], [3, 0], [1]]
@@ -35,8 +36,8 @@ def minibatch_rows(n: int, size: int, seed: int, epochs: int = 1, groups: np.nda
     if groups is None:
         order = rng.permutation(n)
     else:
-        _, group_of_row = np.unique(groups, return_inverse=True)
-        place = rng.permutation(group_of_row.max() + 1)  # each group's place in the new order
+        distinct, group_of_row = np.unique(groups, return_inverse=True)
+        place = rng.permutation(len(distinct))  # each group's place in the new order
         order = np.argsort(place[group_of_row], kind="stable")  # a group's rows together, in their own order
     cuts = np.array_split(order, max(1, -(-n // size)))  # ceil(n / size) parts, sizes differ by <= 1
     for _ in range(epochs):
@@ -79,7 +80,7 @@ def scored_tokens(columns: Mapping[str, np.ndarray]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Shard:
-    """One learner rank's rows of a minibatch (rank, rank + world size, ...), all that the rank
+    """One learner rank's rows of a minibatch (consecutive rows, `shards`), all that the rank
     fetches, and what its losses need of the whole minibatch: how many rows it has, its scored
     response tokens and the samples that have any (`pipelines.algos.losses.Normalizers`). A rank
     with no rows of its own holds the minibatch's first row, `owned` 0: the policy update runs it
@@ -99,7 +100,7 @@ class Shard:
 
 def shards(minibatch: Mapping[str, np.ndarray], world_size: int) -> list[Shard]:
     """Each rank's `Shard` of a minibatch: consecutive rows, as many each give or take one (the
-    minibatch keeps a group's rows together: so does a rank, which runs their prompt once).
+    minibatch keeps a group's rows together; so does a rank's share, but for the groups its ends cut).
 
     >>> mb = {"response_mask": np.array([[1, 1], [1, 0], [0, 0]]), "x": np.arange(3)}
     >>> [(s.columns["x"].tolist(), s.owned, s.rows, s.tokens, s.sequences) for s in shards(mb, 2)]

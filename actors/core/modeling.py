@@ -95,33 +95,24 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
     token 0), and its keys and values, copied to every row of the prompt, are the cache the
     responses attend to in a second pass. Gradients reach the prompt pass through the copies,
     summed. The same logits as one pass over prompt + response, up to float rounding
-    (tests/test_modeling.py), in two pieces (`[n, 1, V]`, `[n, T - 1, V]`); None when no two rows
-    share a prompt."""
+    (tests/test_modeling.py), in two pieces (`[n, 1, V]`, `[n, T - 1, V]`; one when T is 1); None
+    when no two rows share a prompt. The response pass leaves out the last response token, which
+    predicts nothing that is read. Both passes take `input_ids`, not embeddings computed here: some
+    models do more with the ids than embed them (Falcon-H1 scales, Gemma3n derives per-layer inputs)."""
     prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
     if len(distinct) == len(prompts):
         return None
     ids, mask = distinct[:, :P], distinct[:, P:]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    # Both passes' tokens through the input embedding at once: a tied embedding's gradient (the
-    # LM head's too) is one dense [V, hidden] array per embedding call, zeroed and then summed.
-    responses = inputs["input_ids"][:, P : P + T - 1]  # the last response token predicts nothing that is read
-    embedded = _embed(model, torch.cat([ids.reshape(-1), responses.reshape(-1)]))
-    prompt_embeds, response_embeds = embedded.split([ids.numel(), responses.numel()])
-    head = model(
-        inputs_embeds=prompt_embeds.view(*ids.shape, -1),
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    head = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     first = head.logits[row_prompt]  # [n, 1, V]: the last prompt position predicts response token 0
     if T == 1:
         return [first]
     cache = head.past_key_values
     cache.reorder_cache(row_prompt)  # [distinct, ...] -> [n, ...], each row its prompt's
     rest = model(
-        inputs_embeds=response_embeds.view(*responses.shape, -1),
+        input_ids=inputs["input_ids"][:, P : P + T - 1],  # the last response token predicts nothing that is read
         attention_mask=inputs["attention_mask"][:, : P + T - 1],
         position_ids=inputs["position_ids"][:, P : P + T - 1],
         past_key_values=cache,
@@ -129,11 +120,6 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
         logits_to_keep=0,  # all: response position t predicts response token t + 1
     )
     return [first, rest.logits]  # [n, 1, V], [n, T - 1, V]
-
-
-def _embed(model, ids: torch.Tensor) -> torch.Tensor:
-    """`ids` through the input embedding of `model` (or of the module a DeepSpeed engine wraps)."""
-    return getattr(model, "module", model).get_input_embeddings()(ids)
 
 
 def shares_prompts(model) -> bool:

@@ -112,7 +112,7 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, with_entropy: bool = False
     `[...]` ids -> `[...]`, and (`with_entropy`) the distribution's entropy `[...]` as a value
     without a gradient (None otherwise).
 
-    The same numbers as `log_softmax` then `gather` (tests/test_losses.py), in fewer passes over
+    The numbers of `log_softmax` then `gather`, to float rounding (tests/test_losses.py), in fewer passes over
     the `[..., V]` logits: the log-sum-exp, one array of probabilities (the only `[..., V]` tensor
     kept for the backward, whose gradient `(onehot - p) * g` is written into it in place) and, for
     the entropy `lse - sum(p * logits)`, one dot product per position. `log_softmax` keeps its own
@@ -133,7 +133,8 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, with_entropy: bool = False
 
 class _TokenLogprobs(torch.autograd.Function):
     """`token_logprobs`' forward and backward. The backward overwrites the probabilities it saved:
-    one backward per graph (a second, with `retain_graph`, would fail autograd's version check)."""
+    one backward per graph (a second, with `retain_graph`, fails autograd's version check), and no
+    gradient of the gradient (`create_graph` raises: `once_differentiable`)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, token_ids: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
@@ -148,6 +149,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor, None, None]:
         probs, token_ids = ctx.saved_tensors
         grad = probs.mul_(grad_logp.neg().unsqueeze(-1))  # d logp_i / d logits = onehot_i - p
