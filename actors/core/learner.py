@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from actors.core.minibatch import Shard
 from actors.core.modeling import (
     COMPLETIONS,
+    along_response,
     completion_logprobs,
     completion_scores,
     loss_mask,
-    response_logit_parts,
     sequence_tensors,
 )
 from actors.core.weight_sync import layout_of, open_group, send
@@ -147,12 +147,12 @@ class Learner:
         samples from, under the full softmax (for the KL to the untruncated reference), and the
         sampling distribution's entropy at each position (pipelines/algos/sampling.py), with a
         graph only when `entropy_grad` (a loss term)."""
-        sampling, ids, done = self.spec.sampling, inputs["response_ids"], 0
-        per_part = []
-        for logits in response_logit_parts(self.engine, inputs, sampling.temperature):  # [n, t, V] each, in order
-            per_part.append(token_logprobs_and_entropy(logits, ids[:, done : done + logits.shape[1]], sampling, entropy_grad))
-            done += logits.shape[1]
-        return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*per_part, strict=True))
+        sampling = self.spec.sampling
+
+        def per_part(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return token_logprobs_and_entropy(logits, ids, sampling, entropy_grad)
+
+        return along_response(self.engine, inputs, sampling.temperature, per_part)
 
     def train_step(self, minibatches: Iterable[Shard], loss: LossSpec) -> dict[str, float]:
         """Policy update on a step's experience, one optimizer step per minibatch, of which each

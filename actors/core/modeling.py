@@ -82,11 +82,17 @@ def response_logit_parts(model, inputs: dict[str, torch.Tensor], temperature: fl
 
 def response_logprobs(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """`[n, T]`: each response token's log-prob under the model's full softmax at `temperature`."""
-    ids, done, out = inputs["response_ids"], 0, []
+    return along_response(model, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
+
+
+def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, per_part) -> tuple[torch.Tensor, ...]:
+    """`per_part(logits [n, t, V], response ids [n, t])`, a tuple of `[n, t]` tensors, run on each
+    piece of `response_logit_parts` and joined along T into `[n, T]` tensors."""
+    ids, done, results = inputs["response_ids"], 0, []
     for logits in response_logit_parts(model, inputs, temperature):
-        out.append(logprobs_from_logits(logits, ids[:, done : done + logits.shape[1]]))
+        results.append(per_part(logits, ids[:, done : done + logits.shape[1]]))
         done += logits.shape[1]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*results, strict=True))
 
 
 def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int) -> list[torch.Tensor] | None:
