@@ -131,8 +131,9 @@ unchanged = sample()
 for state in ({k: v.numpy() for k, v in hf.items()}, moved):
     on_worker(lambda runner: runner.reload_weights(weights_iterator=iter(tensors_from_arrays(state))))
 after_vllm = sample()
+compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # by anything in this process, the engine included
 print("RAYPO_JSON " + json.dumps({"fast": fast, "partial": partial, "before": before, "after_fast": after_fast,
-                                 "unchanged": unchanged, "after_vllm": after_vllm}))
+                                 "unchanged": unchanged, "after_vllm": after_vllm, "compiled": compiled}))
 """
 
 
@@ -140,7 +141,8 @@ def reloaded_two_ways(model_dir, prompts: list[str]) -> dict:
     """Seeded samples (ids, log-probs) from one engine in its own process: before, after the
     Hugging Face weights moved by noise are loaded by `load_in_place` (`fast`: it applied), after
     a load missing one layer (`partial`: refused, nothing touched), and after vLLM's own
-    `reload_weights` of the original weights and then the same moved ones."""
+    `reload_weights` of the original weights and then the same moved ones; and how many graphs
+    torch.compile made in that process (`compiled`)."""
     command = [sys.executable, "-c", RELOADED_TWO_WAYS, str(model_dir), *prompts]
     return _printed_json(command, dict(os.environ))
 

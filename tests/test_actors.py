@@ -333,7 +333,9 @@ def test_in_place_reload_samples_as_vllms_own_reload(model, request):
     """`load_in_place` (CPU, without vLLM's layerwise machinery) against vLLM's `reload_weights` of
     the same weights into the same engine: the same seeded samples and log-probs, different from
     those before. The tiny model has its own LM head; SmolLM2 ties it to the embeddings and
-    shares key/value heads. A load that leaves a layer out is refused and changes nothing."""
+    shares key/value heads. A load that leaves a layer out is refused and changes nothing. The
+    engine samples with log-probs without compiling anything (pipelines/models/vllm_engine.py:
+    `_rank_eagerly`; vLLM's compiled rank count took ~3 s at the first request)."""
     model_dir = request.getfixturevalue("tiny_model" if model == "tiny" else "smollm2")[0]
     prompts = [p.prompt for p in Arithmetic().sample(6, "heldout", seed=3)]
     got = reloaded_two_ways(model_dir, prompts)
@@ -342,6 +344,7 @@ def test_in_place_reload_samples_as_vllms_own_reload(model, request):
     np.testing.assert_allclose(got["after_fast"][1], got["after_vllm"][1], rtol=0, atol=1e-5)
     assert got["unchanged"] == got["after_fast"]
     assert got["before"][1] != got["after_fast"][1]
+    assert got["compiled"] == 0
 
 
 def test_in_place_reload_refuses_what_it_does_not_know_and_touches_nothing():

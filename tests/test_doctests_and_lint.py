@@ -31,6 +31,7 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.data.storage",
     "pipelines.data.tasks",
     "pipelines.models.sft",
+    "pipelines.models.vllm_engine",
     "pipelines.rl.roles",
     "pipelines.rl.recovery",
     "pipelines.rl.trainer",

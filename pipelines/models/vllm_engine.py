@@ -40,6 +40,8 @@ def make_llm(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     from vllm import LLM  # heavy: imported only when an engine is made, after the env above is set
 
+    if not on_gpu:
+        _rank_eagerly()
     # On CPU a seeded request whose prompt is split across scheduler steps (chunked prefill) fails
     # ("CPU Generator does not use offset": vLLM rewinds the request's torch generator, which CPU
     # generators cannot do); without chunking each prompt is prefilled whole.
@@ -53,6 +55,31 @@ def make_llm(
         **kwargs,
         **engine_kwargs,
     )
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """How many entries of each row of `x` [N, V] are at least that row's `values` [N, 1]: the rank
+    vLLM's sampler gives each sampled token (1 = the most likely one).
+
+    >>> count_at_least(torch.tensor([[-0.1, -2.0, -0.5], [-3.0, -1.0, -1.0]]), torch.tensor([[-0.5], [-1.0]])).tolist()
+    [2, 2]
+    """
+    return (x >= values).sum(-1)
+
+
+def _rank_eagerly() -> None:
+    """Make the in-process engine's sampler rank sampled tokens with `count_at_least` instead of
+    vLLM's `torch.compile`d copy of the same count (vllm/v1/sample/ops/logprobs.py). On CPU that
+    compile (inductor, C++ codegen) ran at an engine's first request for log-probs, the rollout's
+    every request: ~2.9 s of the first step's generation on the tiny model, again after every
+    engine restart; and it fails under `ATEN_CPU_CAPABILITY=default` (`'at::vec' has not been
+    declared`). Eagerly the count is one comparison of the `[N, V]` log-probs the sampler already
+    holds. GPU engines, in processes of their own, keep vLLM's kernel; a vLLM other than the pinned
+    one without that name keeps its own sampler (slower to start, not wrong)."""
+    from vllm.v1.sample import sampler
+
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = count_at_least
 
 
 def greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[str]:
