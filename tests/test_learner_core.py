@@ -256,8 +256,10 @@ def test_decoupled_ppo_with_nothing_stale_is_the_synchronous_update(tiny_model, 
         if cap is not None:
             assert metrics["behaviour_weight_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["behaviour_weight_capped"] == 0
         weights[cap] = learner.state_dict()
+    # Adam's first step moves each weight by about lr (1e-2); the proximal and behaviour log-probs come
+    # from passes over different rows (packed differently), equal to float rounding (~1e-7)
     for name, value in weights[None].items():
-        np.testing.assert_allclose(weights[2.0][name], value, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(weights[2.0][name], value, rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):

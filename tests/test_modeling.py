@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.core.modeling import response_logits, sequence_tensors, shares_prompts, takes_logits_to_keep
+from actors.core.modeling import along_response, response_logits, sequence_tensors, shares_prompts, takes_logits_to_keep
+from pipelines.algos.losses import logprobs_from_logits
 from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 
 
@@ -120,5 +121,54 @@ def test_a_prompt_a_group_shares_runs_once_with_the_same_logits_and_gradients(mo
     params = [p for p in model.parameters()]
     got = torch.autograd.grad((shared * weights).sum(), params, allow_unused=True)
     want = torch.autograd.grad((expected * weights).sum(), params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+class RenamedLlama(LlamaForCausalLM):
+    """The same model under a name `PACKABLE_LMS` does not list: log-probs take the two passes."""
+
+
+@pytest.mark.parametrize(("widths", "temperature"), [((4, 3), 1.0), ((4, 3), 0.7), ((4, 1), 1.0)])
+def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradients(model, widths, temperature):
+    """`along_response` on rows whose prompts repeat: each distinct prompt and the responses that
+    share it run as one packed sequence (one pass, no padding); the log-probs of the real response
+    tokens and every parameter's gradient equal one full pass per row, 0 at padding. A model
+    outside `PACKABLE_LMS` takes the two passes and gets the same."""
+    P, T = widths
+    rng = np.random.default_rng(2)
+    prompt_ids, prompt_mask = rng.integers(1, 50, (2, P)), np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    rows = np.array([0, 1, 0, 1, 1, 0, 0])
+    response_mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])[:, :T]
+    batch = {
+        "prompt_ids": prompt_ids[rows],
+        "prompt_mask": prompt_mask[rows],
+        "response_ids": rng.integers(1, 50, (7, T)) * response_mask,
+        "response_mask": response_mask,
+    }
+    inputs = sequence_tensors(batch, np.arange(7))
+    mask = inputs["response_mask"].float()
+    weights = torch.from_numpy(rng.standard_normal((7, T))).float() * mask
+    renamed = RenamedLlama(model.config).eval()
+    renamed.load_state_dict(model.state_dict())
+    passes = []
+    hook = model.model.layers[0].register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape[:2])))
+    try:
+        packed = along_response(model, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
+    finally:
+        hook.remove()
+    # one pass over 2 sequences, a prompt and its responses but for their last tokens: 2 + (2 + 1 + 0 + 2)
+    # and 4 + (0 + 2 + 1) tokens (responses of one token: none); the prompts alone when T is 1
+    longest = 7 if T == 3 else 4
+    assert passes == [(2, longest)]
+    two_passes = along_response(renamed, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
+    full = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    expected = torch.log_softmax(full.logits[:, P - 1 : P - 1 + T] / temperature, dim=-1)
+    expected = expected.gather(-1, inputs["response_ids"][..., None])[..., 0]
+    torch.testing.assert_close(packed * mask, expected * mask, rtol=1e-5, atol=1e-5)
+    assert torch.all(packed[mask == 0] == 0)
+    torch.testing.assert_close(two_passes * mask, expected * mask, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad((packed * weights).sum(), list(model.parameters()), allow_unused=True)
+    want = torch.autograd.grad((expected * weights).sum(), list(model.parameters()), allow_unused=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -87,12 +87,135 @@ def response_logprobs(model, inputs: dict[str, torch.Tensor], temperature: float
 
 def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, per_part) -> tuple[torch.Tensor, ...]:
     """`per_part(logits [n, t, V], response ids [n, t])`, a tuple of `[n, t]` tensors, run on each
-    piece of `response_logit_parts` and joined along T into `[n, T]` tensors."""
+    piece of `response_logit_parts` and joined along T into `[n, T]` tensors; or, where the rows'
+    prompts can be packed with their responses (`_packed_response_logits`), run once on the
+    response tokens' logits `[R, V]` and ids `[R]`, its results put in place in `[n, T]` tensors
+    (0 at padding)."""
     ids, done, results = inputs["response_ids"], 0, []
+    packed = _packed_response_logits(model, inputs, temperature)
+    if packed is not None:  # [R, V] at the R response tokens, and where each is in `[n, T]`
+        logits, where = packed
+        return tuple(
+            torch.zeros(ids.shape, dtype=r.dtype, device=r.device).index_put(where, r) for r in per_part(logits, ids[where])
+        )
     for logits in response_logit_parts(model, inputs, temperature):
         results.append(per_part(logits, ids[:, done : done + logits.shape[1]]))
         done += logits.shape[1]
     return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*results, strict=True))
+
+
+# Causal LMs whose forward is their decoder (`.model`) and then the LM head (`.lm_head`), nothing
+# in between or after (no logit scaling or soft-capping), and whose attention takes a custom 4D
+# mask as it is (transformers 5.19's code for each; sliding windows are checked per config).
+PACKABLE_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+PACKED_MASK_ELEMENTS = 1 << 22  # the most [sequences, L, L] attention-mask entries a packed pass builds (16 MB float32)
+
+
+def _packed_response_logits(
+    model, inputs: dict[str, torch.Tensor], temperature: float
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each distinct prompt once, followed by every response that shares it, as one sequence of
+    one forward pass: a response attends to its prompt and to its own earlier tokens only (a 4D
+    mask), at the positions it would have after its prompt alone; padding is left out. Returns
+    the logits `[R, V]` that predict the batch's R response tokens (divided by `temperature`) and
+    their `(rows, columns)` in `[n, T]`, row by row. Up to float rounding the logits of one pass
+    over each row's prompt + response (tests/test_modeling.py), with one pass instead of two, no
+    key-value copies and no padded response positions. None where it does not apply: a model not
+    in `PACKABLE_LMS` (or with attention other than SDPA or eager, or a sliding window shorter
+    than a packed sequence), one `shares_prompts` rules out, rows that share no prompt, or
+    packed sequences whose mask would be larger than `PACKED_MASK_ELEMENTS`."""
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    if (
+        type(module).__name__ not in PACKABLE_LMS
+        or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager")
+        or not shares_prompts(model)
+    ):
+        return None
+    T = inputs["response_ids"].shape[1]
+    P = inputs["input_ids"].shape[1] - T
+    prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
+    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+    if len(distinct) == len(prompts):
+        return None
+    lengths = [distinct[:, P:].sum(dim=1).tolist(), row_prompt.tolist(), inputs["response_mask"].sum(dim=1).tolist()]
+    layout = _packing(P, *lengths)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    D, L = len(distinct), layout.pop("length")
+    if D * L * L > PACKED_MASK_ELEMENTS or (window is not None and L > window):
+        return None
+    device = inputs["input_ids"].device
+    at = {key: torch.tensor(value, dtype=torch.long, device=device) for key, value in layout.items()}
+    place = (at["seq"], at["col"])
+    ids = torch.zeros(D, L, dtype=torch.long, device=device).index_put_(
+        place, inputs["input_ids"][at["source_row"], at["source_col"]]
+    )
+    positions = torch.zeros(D, L, dtype=torch.long, device=device).index_put_(place, at["position"])
+    # -1: padding, 0: the prompt, r + 1: row r's response
+    segments = torch.full((D, L), -1, dtype=torch.long, device=device).index_put_(place, at["segment"])
+    q, k = segments[:, :, None], segments[:, None, :]
+    allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (q >= 0) & ((k == 0) | (k == q))
+    allowed |= torch.eye(L, dtype=torch.bool, device=device)  # padding attends to itself (no empty softmax row)
+    dtype = module.get_output_embeddings().weight.dtype
+    mask = torch.zeros(D, 1, L, L, dtype=dtype, device=device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    hidden = module.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state  # [D, L, H]
+    logits = module.lm_head(hidden[at["out_seq"], at["out_col"]]).float()  # [R, V]
+    where = (at["out_row"], at["out_t"])
+    return (logits if temperature == 1.0 else logits / temperature), where
+
+
+def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:
+    """Where everything goes in `_packed_response_logits`'s sequences, one per distinct prompt `d`
+    (its `prompt_lengths[d]` real tokens, the last of the rows' left-padded prompts of width P), the rows
+    `r` in order (`row_prompt[r]`: its prompt; `response_lengths[r]` real response tokens):
+
+    - `seq`, `col`: a packed token's place; `source_row`, `source_col`: where it comes from in
+      the rows' `input_ids` (`[n, P + T]`); `segment`, `position`: 0 for the prompt, r + 1 for row
+      r's response, and its position id. A response's last token predicts nothing, so it is left
+      out; a response of one token has no segment.
+    - `out_seq`, `out_col`: the packed positions whose logits predict the response tokens, row
+      by row: the prompt's last position (token 0), then the row's segment; `out_row`, `out_t`:
+      the token each predicts in `[n, T]`. `length`: the longest sequence.
+
+    >>> lay = _packing(3, [2], [0, 0], [2, 1])  # one prompt of 2 tokens (1 pad); responses of 2 and 1 tokens
+    >>> lay["seq"], lay["col"], lay["segment"], lay["position"], lay["source_row"], lay["source_col"]
+    ([0, 0, 0], [0, 1, 2], [0, 0, 1], [0, 1, 2], [0, 0, 0], [1, 2, 3])
+    >>> lay["out_col"], lay["out_row"], lay["out_t"], lay["length"]
+    ([1, 2, 1], [0, 0, 1], [0, 1, 0], 3)
+    """
+    keys = ("seq", "col", "segment", "position", "source_row", "source_col", "out_seq", "out_col", "out_row", "out_t")
+    out: dict = {key: [] for key in keys}
+    first_row = {}
+    for r, d in enumerate(row_prompt):
+        first_row.setdefault(d, r)
+    ends = list(prompt_lengths)  # the next free column of each sequence
+    for d, r in sorted(first_row.items()):
+        p = prompt_lengths[d]
+        _extend(
+            out,
+            seq=[d] * p,
+            col=range(p),
+            segment=[0] * p,
+            position=range(p),
+            source_row=[r] * p,
+            source_col=range(P - p, P),
+        )
+    for r, d in enumerate(row_prompt):
+        p, size = prompt_lengths[d], max(response_lengths[r] - 1, 0)
+        start = ends[d]
+        _extend(out, seq=[d] * size, col=range(start, start + size), segment=[r + 1] * size, position=range(p, p + size),
+                source_row=[r] * size, source_col=range(P, P + size))  # fmt: skip
+        if response_lengths[r]:
+            _extend(out, out_seq=[d] * response_lengths[r], out_col=[p - 1, *range(start, start + size)],
+                    out_row=[r] * response_lengths[r], out_t=range(response_lengths[r]))  # fmt: skip
+        ends[d] = start + size
+    out["length"] = max(ends)
+    return out
+
+
+def _extend(out: dict, **columns) -> None:
+    for key, values in columns.items():
+        out[key].extend(values)
 
 
 def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int) -> list[torch.Tensor] | None:
