@@ -129,46 +129,88 @@ class RenamedLlama(LlamaForCausalLM):
     """The same model under a name `PACKABLE_LMS` does not list: log-probs take the two passes."""
 
 
-@pytest.mark.parametrize(("widths", "temperature"), [((4, 3), 1.0), ((4, 3), 0.7), ((4, 1), 1.0)])
-def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradients(model, widths, temperature):
-    """`along_response` on rows whose prompts repeat: each distinct prompt and the responses that
-    share it run as one packed sequence (one pass, no padding); the log-probs of the real response
-    tokens and every parameter's gradient equal one full pass per row, 0 at padding. A model
-    outside `PACKABLE_LMS` takes the two passes and gets the same."""
-    P, T = widths
+def _log_probs(model, inputs, temperature):
+    return along_response(model, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
+
+
+def _three_prompts(T: int) -> dict:
+    """8 rows of 3 prompts (2, 4 and 3 real tokens of 4; the last has one row), interleaved, with
+    responses of 0 to 3 tokens of T."""
     rng = np.random.default_rng(2)
-    prompt_ids, prompt_mask = rng.integers(1, 50, (2, P)), np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
-    rows = np.array([0, 1, 0, 1, 1, 0, 0])
-    response_mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])[:, :T]
+    prompt_ids, prompt_mask = rng.integers(1, 50, (3, 4)), np.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    rows = np.array([0, 1, 0, 1, 1, 0, 0, 2])
+    response_mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])[:, :T]
     batch = {
         "prompt_ids": prompt_ids[rows],
         "prompt_mask": prompt_mask[rows],
-        "response_ids": rng.integers(1, 50, (7, T)) * response_mask,
+        "response_ids": rng.integers(1, 50, (8, T)) * response_mask,
         "response_mask": response_mask,
     }
-    inputs = sequence_tensors(batch, np.arange(7))
-    mask = inputs["response_mask"].float()
-    weights = torch.from_numpy(rng.standard_normal((7, T))).float() * mask
+    return sequence_tensors(batch, np.arange(8))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(("T", "temperature"), [(3, 1.0), (3, 0.7), (1, 1.0)])
+def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradients(model, attention, T, temperature):
+    """`along_response` on rows whose prompts repeat: each distinct prompt and the responses that
+    share it run as one packed sequence (one pass, no padding), with a prompt of one row and an
+    empty response among them; the log-probs of the real response tokens and every parameter's
+    gradient equal one full pass per row, 0 at padding. A model outside `PACKABLE_LMS` takes the
+    two passes and gets the same."""
+    inputs = _three_prompts(T)
+    packable = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "attn_implementation": attention})).eval()
+    packable.load_state_dict(model.state_dict())
+    assert packable.config._attn_implementation == attention
     renamed = RenamedLlama(model.config).eval()
     renamed.load_state_dict(model.state_dict())
     passes = []
-    hook = model.model.layers[0].register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape[:2])))
+    hook = packable.model.layers[0].register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape[:2])))
     try:
-        packed = along_response(model, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
+        packed = _log_probs(packable, inputs, temperature)
     finally:
         hook.remove()
-    # one pass over 2 sequences, a prompt and its responses but for their last tokens: 2 + (2 + 1 + 0 + 2)
-    # and 4 + (0 + 2 + 1) tokens (responses of one token: none); the prompts alone when T is 1
-    longest = 7 if T == 3 else 4
-    assert passes == [(2, longest)]
-    two_passes = along_response(renamed, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
-    full = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
-    expected = torch.log_softmax(full.logits[:, P - 1 : P - 1 + T] / temperature, dim=-1)
+    # one pass over 3 sequences, each a prompt and its responses but for their last tokens, padded to
+    # the longest: 2 + (2 + 1 + 2 + 0), 4 + (0 + 2 + 0), 3 + 1 tokens; the prompts alone when T is 1
+    assert passes == [(3, 7 if T == 3 else 4)]
+    two_passes = _log_probs(renamed, inputs, temperature)
+    full = packable(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    expected = torch.log_softmax(full.logits[:, 3 : 3 + T] / temperature, dim=-1)  # prompt width 4
     expected = expected.gather(-1, inputs["response_ids"][..., None])[..., 0]
+    mask = inputs["response_mask"].float()
     torch.testing.assert_close(packed * mask, expected * mask, rtol=1e-5, atol=1e-5)
     assert torch.all(packed[mask == 0] == 0)
     torch.testing.assert_close(two_passes * mask, expected * mask, rtol=1e-5, atol=1e-5)
-    got = torch.autograd.grad((packed * weights).sum(), list(model.parameters()), allow_unused=True)
-    want = torch.autograd.grad((expected * weights).sum(), list(model.parameters()), allow_unused=True)
+    weights = torch.from_numpy(np.random.default_rng(3).standard_normal((8, T))).float() * mask
+    got = torch.autograd.grad((packed * weights).sum(), list(packable.parameters()), allow_unused=True)
+    want = torch.autograd.grad((expected * weights).sum(), list(packable.parameters()), allow_unused=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch):
+    """No packing (None: the two passes run) when the mask would be too large, under a sliding
+    window shorter than a packed sequence, with no response token at all; packing where the window
+    is long enough."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from actors.core import modeling
+
+    inputs = _three_prompts(3)
+    assert modeling._packed_response_logits(model, inputs, 1.0) is not None
+    empty = {**inputs, "response_mask": torch.zeros_like(inputs["response_mask"])}
+    assert modeling._packed_response_logits(model, empty, 1.0) is None
+    small = {k: v for k, v in model.config.to_dict().items() if k in ("vocab_size", "hidden_size", "intermediate_size")}
+    for window, packs in [(4, False), (64, True)]:
+        qwen = Qwen2ForCausalLM(
+            Qwen2Config(
+                **small,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                use_sliding_window=True,
+                sliding_window=window,
+            )
+        )
+        assert (modeling._packed_response_logits(qwen, inputs, 1.0) is not None) is packs
+    monkeypatch.setattr(modeling, "PACKED_MASK_ELEMENTS", 3 * 7 * 7 - 1)
+    assert modeling._packed_response_logits(model, inputs, 1.0) is None

@@ -104,9 +104,8 @@ def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, p
     return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*results, strict=True))
 
 
-# Causal LMs whose forward is their decoder (`.model`) and then the LM head (`.lm_head`), nothing
-# in between or after (no logit scaling or soft-capping), and whose attention takes a custom 4D
-# mask as it is (transformers 5.19's code for each; sliding windows are checked per config).
+# Causal LMs whose attention takes a custom 4D mask as it is, for SDPA and eager attention
+# (transformers 5.19's code for each; sliding windows are checked per config).
 PACKABLE_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 PACKED_MASK_ELEMENTS = 1 << 22  # the most [sequences, L, L] attention-mask entries a packed pass builds (16 MB float32)
 
@@ -120,26 +119,31 @@ def _packed_response_logits(
     the logits `[R, V]` that predict the batch's R response tokens (divided by `temperature`) and
     their `(rows, columns)` in `[n, T]`, row by row. Up to float rounding the logits of one pass
     over each row's prompt + response (tests/test_modeling.py), with one pass instead of two, no
-    key-value copies and no padded response positions. None where it does not apply: a model not
-    in `PACKABLE_LMS` (or with attention other than SDPA or eager, or a sliding window shorter
-    than a packed sequence), one `shares_prompts` rules out, rows that share no prompt, or
-    packed sequences whose mask would be larger than `PACKED_MASK_ELEMENTS`."""
+    key-value copies and no padded response positions; the rounding depends on which rows are
+    packed together (the sequences are padded to the longest), which in bf16 is ~1e-3.
+
+    None where it does not apply: a model not in `PACKABLE_LMS` (or with attention other than
+    SDPA or eager, or a sliding window shorter than a packed sequence, or without
+    `logits_to_keep`), ZeRO-3 (ranks would pass different shapes), rows that share no prompt, an
+    empty prompt or no response token at all, or packed sequences whose mask would be larger
+    than `PACKED_MASK_ELEMENTS`. The model is called as it is (a DeepSpeed engine's forward runs)."""
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
     if (
         type(module).__name__ not in PACKABLE_LMS
         or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager")
-        or not shares_prompts(model)
+        or not takes_logits_to_keep(model)
+        or _partitioned(model)
     ):
         return None
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
     prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    if len(distinct) == len(prompts):
+    prompt_lengths, response_lengths = distinct[:, P:].sum(dim=1).tolist(), inputs["response_mask"].sum(dim=1).tolist()
+    if len(distinct) == len(prompts) or min(prompt_lengths) == 0 or sum(response_lengths) == 0:
         return None
-    lengths = [distinct[:, P:].sum(dim=1).tolist(), row_prompt.tolist(), inputs["response_mask"].sum(dim=1).tolist()]
-    layout = _packing(P, *lengths)
+    layout = _packing(P, prompt_lengths, row_prompt.tolist(), response_lengths)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     D, L = len(distinct), layout.pop("length")
     if D * L * L > PACKED_MASK_ELEMENTS or (window is not None and L > window):
@@ -156,10 +160,11 @@ def _packed_response_logits(
     q, k = segments[:, :, None], segments[:, None, :]
     allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (q >= 0) & ((k == 0) | (k == q))
     allowed |= torch.eye(L, dtype=torch.bool, device=device)  # padding attends to itself (no empty softmax row)
-    dtype = module.get_output_embeddings().weight.dtype
+    dtype = module.get_input_embeddings().weight.dtype
     mask = torch.zeros(D, 1, L, L, dtype=dtype, device=device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    hidden = module.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state  # [D, L, H]
-    logits = module.lm_head(hidden[at["out_seq"], at["out_col"]]).float()  # [R, V]
+    first = min(prompt_lengths) - 1  # the first position whose logits are read: a shortest prompt's last
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=L - first)
+    logits = out.logits[at["out_seq"], at["out_col"] - first].float()  # [R, V]
     where = (at["out_row"], at["out_t"])
     return (logits if temperature == 1.0 else logits / temperature), where
 
@@ -258,13 +263,18 @@ def shares_prompts(model) -> bool:
     gathers the weights from all ranks: ranks whose rows share prompts differently would make
     different numbers of passes and wait for each other forever."""
     module = getattr(model, "module", model)
-    partitioned = getattr(model, "zero_optimization_partition_weights", None)
     return (
         takes_logits_to_keep(model)
         and "past_key_values" in _forward_parameters(type(module))
         and not getattr(module, "is_gradient_checkpointing", False)
-        and not (partitioned is not None and partitioned())
+        and not _partitioned(model)
     )
+
+
+def _partitioned(model) -> bool:
+    """Whether `model` is a DeepSpeed engine under ZeRO-3 (each rank holds a part of each weight)."""
+    partitioned = getattr(model, "zero_optimization_partition_weights", None)
+    return partitioned is not None and partitioned()
 
 
 def takes_logits_to_keep(model) -> bool:
