@@ -138,10 +138,9 @@ def _packed_response_logits(
         return None
     T = inputs["response_ids"].shape[1]
     P = inputs["input_ids"].shape[1] - T
-    prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
-    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+    distinct, row_prompt = _distinct_prompts(inputs, P)
     prompt_lengths, response_lengths = distinct[:, P:].sum(dim=1).tolist(), inputs["response_mask"].sum(dim=1).tolist()
-    if len(distinct) == len(prompts) or min(prompt_lengths) == 0 or sum(response_lengths) == 0:
+    if len(distinct) == len(row_prompt) or min(prompt_lengths) == 0 or sum(response_lengths) == 0:
         return None
     layout = _packing(P, prompt_lengths, row_prompt.tolist(), response_lengths)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -233,9 +232,8 @@ def _over_shared_prompts(model, inputs: dict[str, torch.Tensor], P: int, T: int)
     when no two rows share a prompt. The response pass leaves out the last response token, which
     predicts nothing that is read. Both passes take `input_ids`, not embeddings computed here: some
     models do more with the ids than embed them (Falcon-H1 scales, Gemma3n derives per-layer inputs)."""
-    prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
-    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    if len(distinct) == len(prompts):
+    distinct, row_prompt = _distinct_prompts(inputs, P)
+    if len(distinct) == len(row_prompt):
         return None
     ids, mask = distinct[:, :P], distinct[:, P:]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -269,6 +267,13 @@ def shares_prompts(model) -> bool:
         and not getattr(module, "is_gradient_checkpointing", False)
         and not _partitioned(model)
     )
+
+
+def _distinct_prompts(inputs: dict[str, torch.Tensor], P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' distinct left-padded prompts (width P) as `[D, 2P]` (ids, then mask) and each row's
+    index into them `[n]`."""
+    prompts = torch.cat([inputs["input_ids"][:, :P], inputs["attention_mask"][:, :P]], dim=1)  # [n, 2P]
+    return torch.unique(prompts, dim=0, return_inverse=True)
 
 
 def _partitioned(model) -> bool:
