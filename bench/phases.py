@@ -22,8 +22,10 @@ backward, 6 x the decoder's parameters x the real tokens, each distinct prompt c
 causal attention, 6 x layers x hidden x the keys each token attends to; padding, repeated prompts
 and logits nobody reads do not count) over the learn phase's seconds,
 beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape with the
-learner's threads, measured in the same run. Their ratio is how close the learner is to the
-machine's limit.
+learner's threads, measured in the same run, with each of torch's two float32 GEMMs: `torch.mm`
+(MKL's sgemm, what `nn.Linear` calls) and oneDNN (what raypo's learners call:
+actors/core/onednn.py). The ratio is taken against the faster of the two: how close the learner
+is to the machine's limit.
 """
 
 from __future__ import annotations
@@ -88,27 +90,37 @@ class ModelShape:
         return epochs * (6 * self.body * (prompts + responses) + 6 * self.head * responses + attention)
 
 
-def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> float:
-    """float32 FLOP/s of `[rows, hidden] x [hidden, inner]` matmuls, the best of repeated timings."""
+def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> dict[str, float]:
+    """float32 FLOP/s of `[rows, hidden] x [hidden, inner]` matmuls, the best of repeated timings,
+    by `torch.mm` (MKL) and by oneDNN (when this torch has it)."""
     import torch  # here, like the other heavy imports of this bench: `--help` stays quick
 
+    from actors.core import onednn
+
     a, b = torch.randn(rows, hidden), torch.randn(hidden, inner)
-    best, started = float("inf"), time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * rows * hidden * inner / best
+    weight = b.t().contiguous()  # [inner, hidden], as an nn.Linear holds it
+    products = {"torch.mm": lambda: torch.mm(a, b)}
+    if onednn.available():
+        products["oneDNN"] = lambda: onednn.matmul_t(a, weight)
+    out = {}
+    for name, product in products.items():
+        best, started = float("inf"), time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            t0 = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2 * rows * hidden * inner / best
+    return out
 
 
-def machine_gemm_flops(shape: ModelShape, rows: int, threads: int) -> float:
+def machine_gemm_flops(shape: ModelShape, rows: int, threads: int) -> dict[str, float]:
     """`gemm_flops` of the model's MLP shape in a Ray task with the learner's threads (and as many CPUs)."""
     import ray  # heavy imports inside functions: `--help` stays quick
 
     from actors.common import limit_threads
 
     @ray.remote(num_cpus=threads)
-    def measure() -> float:
+    def measure() -> dict[str, float]:
         limit_threads(threads)
         return gemm_flops(shape.hidden, shape.inner, rows)
 
@@ -130,7 +142,8 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     # against the most threads the learner had (sampling ahead it widens once the engine is idle: actors/learner.py:Widening)
     threads = math.ceil(max(r["learner_threads"] for r in rows))
     per_learner = machine_gemm_flops(shape, gemm_rows, threads)
-    return {"achieved": achieved, "gemm": per_learner * cfg.resource.num_learners}
+    gemms = {name: flops * cfg.resource.num_learners for name, flops in per_learner.items()}
+    return {"achieved": achieved, "gemm": max(gemms.values()), **{f"gemm {name}": f for name, f in gemms.items()}}
 
 
 def main() -> None:
@@ -170,8 +183,10 @@ def main() -> None:
         cells = [f"{mean(r, key):8.4f} s ({mean(r, key) / mean(r, 'step_time'):5.1%})" for r in results.values()]
         print(f"{label:<14}" + "".join(f"{c:>20}" for c in cells))
     print(f"\n{'learn GFLOP/s':<12}" + "".join(f"{s['achieved'] / 1e9:>22.2f}" for s in speed.values()))
-    print(f"{'GEMM GFLOP/s':<12}" + "".join(f"{s['gemm'] / 1e9:>22.2f}" for s in speed.values()))
+    for name in ("torch.mm", "oneDNN"):
+        print(f"{'GEMM ' + name:<12}" + "".join(f"{s.get('gemm ' + name, math.nan) / 1e9:>22.2f}" for s in speed.values()))
     print(f"{'learn / GEMM':<12}" + "".join(f"{s['achieved'] / s['gemm']:>22.1%}" for s in speed.values()))
+    print("(against the faster GEMM of the two)")
     if {"grpo", "ppo"} <= set(results):
         g, p = mean(results["grpo"], "step_time"), mean(results["ppo"], "step_time")
         print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")

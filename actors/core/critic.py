@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModel
 
 from actors.core.modeling import loss_mask, sequence_tensors
+from actors.core.onednn import use_onednn
 from pipelines.algos.losses import value_loss
 
 
@@ -41,6 +42,7 @@ class Critic:
     def __init__(self, model_dir: str, lr: float = 3e-5, grad_clip: float = 1.0, clip: float = 0.5, seed: int = 0):
         torch.manual_seed(seed)
         self.model = ValueModel(model_dir)
+        use_onednn(self.model)  # float32 matmuls at this CPU's speed (actors/core/onednn.py)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0, fused=True)
         self.grad_clip, self.clip = grad_clip, clip
         self.steps_done = 0

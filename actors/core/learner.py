@@ -30,6 +30,7 @@ from actors.core.modeling import (
     loss_mask,
     sequence_tensors,
 )
+from actors.core.onednn import use_onednn
 from actors.core.weight_sync import layout_of, open_group, send
 from pipelines.algos.losses import (
     POLICY_LOSSES,
@@ -87,6 +88,8 @@ class Learner:
         torch.manual_seed(spec.seed)
         deepspeed.init_distributed(dist_backend="nccl" if spec.use_gpu else "gloo", auto_mpi_discovery=False)
         model = _load_model(spec)
+        if not spec.use_gpu:
+            use_onednn(model)  # float32 matmuls at this CPU's speed (actors/core/onednn.py)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.tokenizer_dir = spec.model_dir

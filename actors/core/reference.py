@@ -15,11 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.core.modeling import COMPLETIONS, completion_logprobs, response_logprobs, sequence_tensors
+from actors.core.onednn import use_onednn
 
 
 class ReferenceScorer:
     def __init__(self, model_dir: str, temperature: float = 1.0, batch_rows: int = 256, dtype: str = "float32"):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        use_onednn(self.model)  # float32 on CPU: matmuls at this CPU's speed (actors/core/onednn.py)
         self.temperature = temperature
         self.batch_rows = batch_rows
 

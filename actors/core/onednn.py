@@ -1,0 +1,83 @@
+"""float32 linear layers through oneDNN's matmul, forward and backward, instead of torch's BLAS call.
+
+On CPU, `torch.nn.Linear` multiplies with MKL's sgemm. On AMD processors MKL takes its AVX2
+path whatever the processor supports; oneDNN (torch's own `mkldnn` library, the one vLLM's CPU
+backend uses for its linears) picks its kernels by instruction set, not vendor. On the 2-core
+AMD EPYC (AVX-512) raypo is built on, oneDNN ran SmolLM2's and the tiny model's matmul shapes,
+forward and both backward products, at 1.8-2.4x MKL's FLOP/s (bench/phases.py prints both
+GEMMs). The results are float32 products like MKL's: the same inputs, summed in another order.
+
+oneDNN builds (JIT-compiles) a kernel for each shape it meets and keeps the last 1,024 in a
+cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`). The rows change from batch to batch, so a step with
+a new row count builds about 15 kernels for a decoder (each layer shape, forward, input gradient
+and weight gradient): about 0.3-0.5 ms each, under 1% of a SmolLM2 update. Padding the rows to a
+few sizes instead cost more: every input and gradient copied once more.
+
+`use_onednn(model)` switches a model's float32 `nn.Linear` layers in place; a layer that meets
+another dtype or device at run time (a bf16 engine, a GPU) goes through `torch.nn.functional.linear`
+as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN and the linear op it exposes (CPU builds of torch do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`: `[m, k] x [n, k] -> [m, n]`; `weight` may be a strided view."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    """`y = x W^T + b` with every product in oneDNN: `dx = dy W`, `dW = dy^T x`, `db = sum dy`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [..., k] -> [m, k]
+        y = matmul_t(flat, weight, bias)  # [m, n]
+        ctx.save_for_backward(flat, weight)
+        ctx.has_bias = bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        dy = grad.reshape(-1, grad.shape[-1])  # [m, n]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = matmul_t(dy, weight.t()).view(*grad.shape[:-1], weight.shape[1])  # [m, n] x [k, n]^T -> [m, k]
+        if ctx.needs_input_grad[1]:
+            dw = matmul_t(dy.t(), flat.t())  # [n, m] x [k, m]^T -> [n, k]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db
+
+
+class OneDnnLinear(nn.Linear):
+    """An `nn.Linear` (same parameters, same state dict) whose float32 CPU products run in oneDNN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+            return F.linear(x, w, self.bias)
+        return _Linear.apply(x, w, self.bias)
+
+
+def use_onednn(model: nn.Module) -> int:
+    """Switch `model`'s `nn.Linear` layers (exactly that class) to `OneDnnLinear` in place, when
+    this torch has oneDNN; the number switched."""
+    if not available():
+        return 0
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDnnLinear
+            switched += 1
+    return switched
