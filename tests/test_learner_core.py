@@ -57,6 +57,10 @@ def learner(tiny_model):
 
 
 def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
+    from actors.core.onednn import OneDnnLinear, available
+
+    # a float32 CPU learner's linear layers multiply in oneDNN (actors/core/onednn.py), and these updates run through them
+    assert available() == all(isinstance(m, OneDnnLinear) for m in learner.model.modules() if isinstance(m, torch.nn.Linear))
     step, metrics, change = _update_towards_first_half(learner)
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])
     assert change[:4].sum() > 0 > change[4:].sum()
@@ -85,10 +89,12 @@ def test_critic_fits_the_returns(tiny_model):
     """The value model starts at V = 0 and, refit each step around its last values (as PPO does),
     predicts +1 for the first half of `_batch()` and -1 for the second."""
     from actors.core.critic import Critic
+    from actors.core.onednn import OneDnnLinear, available
 
     batch = _batch()
     returns = (np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]).astype(np.float32)
     critic = Critic(str(tiny_model[0]), lr=1e-3)
+    assert available() == isinstance(critic.model.head, OneDnnLinear)  # actors/core/onednn.py
     assert not critic.values(batch).any(), "the critic must start at V = 0"
     for _ in range(CRITIC_STEPS):
         metrics = critic.train_step(minibatches({**batch, "old_values": critic.values(batch), "returns": returns}, 8, seed=0))
@@ -208,6 +214,7 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     """The reference is the initial policy, never truncated: the KL term compares it with the
     policy's full softmax, so at step 0 the penalty and the `kl` metric are 0 under top-k/top-p too
     (compared with the truncated log-probs, every token would show log 1/Z > 0)."""
+    from actors.core.onednn import OneDnnLinear, available
     from actors.core.reference import ReferenceScorer
     from pipelines.algos.sampling import SamplingSpec
 
@@ -215,7 +222,9 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     learner = Learner(LearnerSpec(str(tiny_model[0]), lr=0.0, sampling=sampling), master_port=29611)
     batch = _batch()
     truncated = learner.logprobs(batch)
-    reference = ReferenceScorer(str(tiny_model[0])).logprobs(batch)
+    scorer = ReferenceScorer(str(tiny_model[0]))
+    assert available() == isinstance(scorer.model.lm_head, OneDnnLinear)  # actors/core/onednn.py, as the learner's
+    reference = scorer.logprobs(batch)
     assert (truncated - reference).max() > 1e-3  # the truncation matters for this batch
     step = {**batch, "behaviour_logprobs": truncated, "reference_logprobs": reference}
     step["advantages"] = np.where(np.arange(8)[:, None] < 4, 1.0, -1.0).astype(np.float32) * batch["response_mask"]
@@ -336,5 +345,8 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
     from actors.core.modeling import shares_prompts
 
     sharded = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), master_port=29611)  # the module's world
+    from actors.core.onednn import OneDnnLinear
+
     assert shares_prompts(learner.engine) and not shares_prompts(sharded.engine)
+    assert not any(isinstance(m, OneDnnLinear) for m in sharded.model.modules())  # ZeRO-3 keeps torch's linear
     assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3

@@ -8,15 +8,20 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from actors.core import onednn
 from actors.core.onednn import OneDnnLinear, available, use_onednn
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN")
 
 
-def _ran_onednn(fn) -> bool:
+def _onednn_calls(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return any(e.key == "mkldnn::_linear_pointwise" for e in prof.key_averages())
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+def _ran_onednn(fn) -> bool:
+    return _onednn_calls(fn) > 0
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -47,22 +52,61 @@ def test_linear_equals_float64_autograd(bias, shape, strided):
         torch.testing.assert_close(fast.bias.grad.double(), exact.bias.grad, rtol=1e-5, atol=1e-4)
 
 
-def test_only_the_input_or_only_the_weight_needs_a_gradient():
+@pytest.mark.parametrize("wanted", ["input", "weight", "bias"])
+def test_only_some_gradients_wanted(wanted):
     torch.manual_seed(0)
-    layer = nn.Linear(16, 8)
-    exact = copy.deepcopy(layer)
-    use_onednn(layer)
-    x = torch.randn(5, 16, requires_grad=True)
-    layer.requires_grad_(False)
-    exact.requires_grad_(False)
-    layer(x).sum().backward()
-    expected = x.grad.clone()
-    x.grad = None
-    exact(x).sum().backward()
-    torch.testing.assert_close(expected, x.grad)
-    layer.requires_grad_(True)
-    layer(x.detach()).square().sum().backward()  # no input gradient asked for
-    assert layer.weight.grad is not None and layer.weight.grad.shape == (8, 16)
+    exact = nn.Linear(16, 8).double()
+    fast = copy.deepcopy(exact).float()
+    use_onednn(fast)
+    x64 = torch.randn(5, 16, dtype=torch.float64, requires_grad=wanted == "input")
+    x = x64.detach().float().requires_grad_(wanted == "input")
+    for layer in (exact, fast):
+        layer.weight.requires_grad_(wanted == "weight")
+        layer.bias.requires_grad_(wanted == "bias")
+    exact(x64).square().sum().backward()
+    calls = _onednn_calls(lambda: fast(x).square().sum().backward())
+    assert calls == (1 if wanted == "bias" else 2)  # the forward, and only the product asked for
+    got, expected = {"input": (x, x64), "weight": (fast.weight, exact.weight), "bias": (fast.bias, exact.bias)}[wanted]
+    torch.testing.assert_close(got.grad.double(), expected.grad, rtol=1e-5, atol=1e-5)
+    others = [t for t in (x, fast.weight, fast.bias) if t is not got]
+    assert all(t.grad is None for t in others)
+
+
+def test_a_broadcast_gradient_an_in_place_op_and_a_vector_input():
+    torch.manual_seed(0)
+    exact = nn.Linear(16, 8).double()
+    fast = copy.deepcopy(exact).float()
+    use_onednn(fast)
+    x64 = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().float().requires_grad_(True)
+    # y.sum(): the gradient arrives as an expanded (stride 0) tensor; add_ after: legal, as for nn.Linear
+    exact(x64).add_(1.0).sum().backward()
+    fast(x).add_(1.0).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.weight.grad.double(), exact.weight.grad, rtol=1e-5, atol=1e-5)
+    vector = torch.randn(16)
+    torch.testing.assert_close(fast(vector).double(), exact(vector.double()), rtol=0, atol=1e-5)
+
+
+def test_the_weight_gradient_over_the_copy_limit_goes_through_mkl(monkeypatch):
+    torch.manual_seed(0)
+    exact = nn.Linear(16, 8).double()
+    fast = copy.deepcopy(exact).float()
+    use_onednn(fast)
+    x = torch.randn(6, 16)
+    exact(x.double()).square().sum().backward()
+    monkeypatch.setattr(onednn, "WEIGHT_GRAD_COPY_LIMIT", 6 * 8 - 1)  # one element fewer than dy's
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fast(x).square().sum().backward()
+    names = [e.key for e in prof.key_averages()]
+    assert "aten::mm" in names and "mkldnn::_linear_pointwise" in names
+    torch.testing.assert_close(fast.weight.grad.double(), exact.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_is_off_with_raypo_onednn_0(monkeypatch):
+    monkeypatch.setenv("RAYPO_ONEDNN", "0")
+    layer = nn.Linear(4, 2)
+    assert not available() and use_onednn(layer) == 0 and type(layer) is nn.Linear
 
 
 def test_other_dtypes_and_empty_inputs_go_through_torch():
@@ -72,6 +116,9 @@ def test_other_dtypes_and_empty_inputs_go_through_torch():
     assert not _ran_onednn(lambda: layer(x))
     assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
     assert layer.float()(torch.randn(0, 16)).shape == (0, 8)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as nn.Linear: bf16 under autocast
+        assert not _ran_onednn(lambda: layer(x)) and layer(x).dtype == torch.bfloat16
 
 
 def test_a_switched_model_keeps_its_state_and_its_gradients():
@@ -88,6 +135,8 @@ def test_a_switched_model_keeps_its_state_and_its_gradients():
     weights = torch.randn(3, 11, 50, dtype=torch.float64)
     expected = exact(ids).logits  # float64 throughout
     (expected * weights).sum().backward()
+    fast.gradient_checkpointing_enable()  # the layers' forward runs again in the backward
+    fast.train()
     logits = fast(ids).logits
     (logits * weights.float()).sum().backward()
     torch.testing.assert_close(logits.double(), expected.detach(), rtol=0, atol=1e-5)

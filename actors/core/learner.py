@@ -88,7 +88,7 @@ class Learner:
         torch.manual_seed(spec.seed)
         deepspeed.init_distributed(dist_backend="nccl" if spec.use_gpu else "gloo", auto_mpi_discovery=False)
         model = _load_model(spec)
-        if not spec.use_gpu:
+        if not spec.use_gpu and spec.zero_stage < 3:  # ZeRO-3 wraps F.linear to gather partitioned weights
             use_onednn(model)  # float32 matmuls at this CPU's speed (actors/core/onednn.py)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable()

@@ -14,20 +14,39 @@ and weight gradient): about 0.3-0.5 ms each, under 1% of a SmolLM2 update. Paddi
 few sizes instead cost more: every input and gradient copied once more.
 
 `use_onednn(model)` switches a model's float32 `nn.Linear` layers in place; a layer that meets
-another dtype or device at run time (a bf16 engine, a GPU) goes through `torch.nn.functional.linear`
-as before.
+another dtype or device at run time (a bf16 engine, CPU autocast, a GPU) goes through
+`torch.nn.functional.linear` as before. It does nothing off x86-64, where torch was built without
+oneDNN, or with `RAYPO_ONEDNN=0` in the environment (the MKL path, as before).
+
+The weight gradient's product takes the output gradient transposed, which oneDNN copies
+(`[out features, rows]`, as large as that layer's output gradient: for the LM head, the logits'
+gradient). Where that copy would pass `WEIGHT_GRAD_COPY_LIMIT` elements, MKL computes it instead,
+without a copy.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+WEIGHT_GRAD_COPY_LIMIT = 1 << 26  # elements (256 MB of float32) of the transposed gradient oneDNN would copy
 
 
 def available() -> bool:
-    """Whether this torch has oneDNN and the linear op it exposes (CPU builds of torch do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether to use oneDNN: an x86-64 CPU build of torch with oneDNN enabled and its linear op,
+    unless `RAYPO_ONEDNN=0`."""
+    return (
+        os.environ.get("RAYPO_ONEDNN", "1") != "0"
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,19 +61,24 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [..., k] -> [m, k]
         y = matmul_t(flat, weight, bias)  # [m, n]
-        ctx.save_for_backward(flat, weight)
+        wants_x, wants_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(flat if wants_w else None, weight if wants_x else None)
+        ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+        # detached: a plain tensor, not a view made inside a Function, so later in-place ops are legal
+        return y.view(*x.shape[:-1], weight.shape[0]).detach()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         flat, weight = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])  # [m, n]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = matmul_t(dy, weight.t()).view(*grad.shape[:-1], weight.shape[1])  # [m, n] x [k, n]^T -> [m, k]
+            dx = matmul_t(dy, weight.t()).view(ctx.x_shape)  # [m, n] x [k, n]^T -> [m, k]
         if ctx.needs_input_grad[1]:
-            dw = matmul_t(dy.t(), flat.t())  # [n, m] x [k, m]^T -> [n, k]
+            # [n, m] x [k, m]^T -> [n, k]; oneDNN copies dy^T first, MKL reads it in place
+            dw = matmul_t(dy.t(), flat.t()) if dy.numel() <= WEIGHT_GRAD_COPY_LIMIT else dy.t().mm(flat)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db
@@ -65,7 +89,13 @@ class OneDnnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+        if (
+            x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.numel() == 0
+            or torch.is_autocast_enabled("cpu")
+        ):
             return F.linear(x, w, self.bias)
         return _Linear.apply(x, w, self.bias)
 
