@@ -100,7 +100,7 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> dict
     a, b = torch.randn(rows, hidden), torch.randn(hidden, inner)
     weight = b.t().contiguous()  # [inner, hidden], as an nn.Linear holds it
     products = {"torch.mm": lambda: torch.mm(a, b)}
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # measured even with RAYPO_ONEDNN=0: it is the machine's limit
+    if onednn.has_linear_op():  # measured even with RAYPO_ONEDNN=0: it is the machine's limit
         products["oneDNN"] = lambda: onednn.matmul_t(a, weight)
     out = {}
     for name, product in products.items():

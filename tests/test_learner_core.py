@@ -7,6 +7,7 @@ import torch
 
 from actors.core.learner import Learner, LearnerSpec
 from actors.core.minibatch import Shard, minibatches, shards
+from actors.core.onednn import OneDnnLinear, available
 from pipelines.algos.losses import LossSpec
 
 pytestmark = pytest.mark.slow
@@ -57,8 +58,6 @@ def learner(tiny_model):
 
 
 def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
-    from actors.core.onednn import OneDnnLinear, available
-
     # a float32 CPU learner's linear layers multiply in oneDNN (actors/core/onednn.py), and these updates run through them
     assert available() == all(isinstance(m, OneDnnLinear) for m in learner.model.modules() if isinstance(m, torch.nn.Linear))
     step, metrics, change = _update_towards_first_half(learner)
@@ -89,7 +88,6 @@ def test_critic_fits_the_returns(tiny_model):
     """The value model starts at V = 0 and, refit each step around its last values (as PPO does),
     predicts +1 for the first half of `_batch()` and -1 for the second."""
     from actors.core.critic import Critic
-    from actors.core.onednn import OneDnnLinear, available
 
     batch = _batch()
     returns = (np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]).astype(np.float32)
@@ -214,7 +212,6 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     """The reference is the initial policy, never truncated: the KL term compares it with the
     policy's full softmax, so at step 0 the penalty and the `kl` metric are 0 under top-k/top-p too
     (compared with the truncated log-probs, every token would show log 1/Z > 0)."""
-    from actors.core.onednn import OneDnnLinear, available
     from actors.core.reference import ReferenceScorer
     from pipelines.algos.sampling import SamplingSpec
 
@@ -345,8 +342,6 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
     from actors.core.modeling import shares_prompts
 
     sharded = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), master_port=29611)  # the module's world
-    from actors.core.onednn import OneDnnLinear
-
     assert shares_prompts(learner.engine) and not shares_prompts(sharded.engine)
     assert not any(isinstance(m, OneDnnLinear) for m in sharded.model.modules())  # ZeRO-3 keeps torch's linear
     assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3

@@ -37,15 +37,19 @@ from torch.autograd.function import once_differentiable
 WEIGHT_GRAD_COPY_LIMIT = 1 << 26  # elements (256 MB of float32) of the transposed gradient oneDNN would copy
 
 
+def has_linear_op() -> bool:
+    """Whether this torch has oneDNN and the linear op `matmul_t` calls (CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def available() -> bool:
     """Whether to use oneDNN: an x86-64 CPU build of torch with oneDNN enabled and its linear op,
     unless `RAYPO_ONEDNN=0`."""
     return (
         os.environ.get("RAYPO_ONEDNN", "1") != "0"
         and platform.machine().lower() in ("x86_64", "amd64")
-        and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and has_linear_op()
     )
 
 
