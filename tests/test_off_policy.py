@@ -59,16 +59,19 @@ def test_sampling_one_step_ahead_learns_as_the_synchronous_run(local_ray, tiny_m
     assert ahead["eval_accuracy_end"] >= sync["eval_accuracy_end"] - MAX_BEHIND, (sync, ahead)
 
 
-def test_an_engine_killed_while_it_samples_ahead_is_restarted_and_the_run_goes_on(local_ray, tiny_model, tmp_path, capsys):
-    """SIGKILL to the engine after step 1, when it has step 2's batch queued or sampled: Ray
-    restarts it, the driver gives it the current weights and samples step 2 again with them."""
+def test_an_engine_killed_after_sampling_ahead_is_restarted_and_the_run_goes_on(local_ray, tiny_model, tmp_path, capsys):
+    """SIGKILL to the engine after step 1, once it has sampled step 2's batch and loaded step 1's
+    weights: step 2 learns from that batch (its samples are whole; one step stale, as any), Ray
+    restarts the engine, and the process that samples step 3 is seen to be a new one (the pid in
+    the batch's info): it is given the current weights and samples step 3 again with them."""
 
     def kill(metrics):
         if metrics["step"] == 1:
             engine = ray.get_actor(f"raypo:chaos:{os.getpid()}:rollout-0")
-            os.kill(ray.get(engine.pid.remote()), signal.SIGKILL)
+            pid = ray.get(engine.pid.remote())  # queued behind step 2's batch and the weights' load: both done
+            os.kill(pid, signal.SIGKILL)
 
     _, lines = _run(tmp_path, "chaos", "training.steps=5", "task.eval_problems=20", "algo.off_policy_steps=1", on_metrics=kill)
     assert "recovered: rollout-0 lost its process" in capsys.readouterr().err
     assert [m["step"] for m in lines] == [0, 1, 2, 3, 4] and all(m["update_success"] == 1.0 for m in lines)
-    assert [m["staleness"] for m in lines] == [0, 1, 0, 1, 1]  # step 2 sampled again, with the newest weights
+    assert [m["staleness"] for m in lines] == [0, 1, 1, 0, 1]  # step 3 sampled again, with the newest weights

@@ -109,7 +109,13 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
     for _ in range(cfg.resource.max_actor_restarts + 1):
         batches = [batch for batch, _ in generation.parts]
         ray.wait(batches, num_returns=len(batches), fetch_local=False)
-        redo = set(restart_engines(roles, range(len(generation.chunks)))) | _failed_shares(generation)
+        infos = _share_infos(generation)
+        failed = {i for i, info in infos.items() if info is None}
+        # Each share's info names the process that sampled it: one Ray restarted before the call
+        # reached it sampled with the model's own weights. (Asked with a call of its own, the pid
+        # would wait behind the weights load queued on the engine, and the next step's launch with it.)
+        served = {f"rollout-{i}": info["pid"] for i, info in infos.items() if info is not None}
+        redo = set(restart_engines(roles, range(len(generation.chunks)), served)) | failed
         if not redo:
             break
         for i in redo:
@@ -120,16 +126,16 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
     return (batches[0] if len(batches) == 1 else roles.helpers.concat_batches.remote(*batches)), facts
 
 
-def _failed_shares(generation: Generation) -> set[int]:
-    """The shares whose engine died under them: restarted already (a launch ahead of the step
-    waited in its queue), it was given the weights then, and the share is asked for again."""
-    failed = set()
+def _share_infos(generation: Generation) -> dict[int, dict | None]:
+    """Each share's info (`RolloutActor.sample`), None where its engine died under it: restarted
+    (its pid is asked for), the engine is given the weights, and the share is asked for again."""
+    infos = {}
     for i, (_, info) in enumerate(generation.parts):
         try:
-            ray.get(info)
+            infos[i] = ray.get(info)
         except ray.exceptions.RayActorError:
-            failed.add(i)
-    return failed
+            infos[i] = None
+    return infos
 
 
 def launch_ahead(roles: Roles, cfg: RaypoConfig) -> None:
@@ -141,10 +147,11 @@ def launch_ahead(roles: Roles, cfg: RaypoConfig) -> None:
             roles.ahead[step] = launch_generation(roles, cfg, roles.upcoming[step], step)
 
 
-def restart_engines(roles: Roles, engines) -> list[int]:
+def restart_engines(roles: Roles, engines, pids: dict[str, int] | None = None) -> list[int]:
     """The indices among `engines` of the rollout engines Ray restarted since the last look, given
-    the current weights again (a restarted engine starts from the model's own)."""
-    restarted = roles.watch.restarted([f"rollout-{i}" for i in engines])
+    the current weights again (a restarted engine starts from the model's own). `pids`: the
+    process ids some of them reported (`ActorWatch.restarted`); the others are asked."""
+    restarted = roles.watch.restarted([f"rollout-{i}" for i in engines], pids=pids)
     indices = [int(role.rsplit("-", 1)[1]) for role in restarted]
     if indices:
         roles.weight_sync.restore([roles.rollouts[i] for i in indices])
