@@ -37,7 +37,8 @@ class RolloutActor(Restartable):
         `pid` of the process that drew them (one Ray restarted has another)."""
         started = time.monotonic()
         batch = self.generate(prompts, n, sampling, max_tokens, seeds)
-        return batch, {"weights_version": self.generator.weights_version, "seconds": time.monotonic() - started, "pid": os.getpid()}
+        seconds = time.monotonic() - started
+        return batch, {"weights_version": self.generator.weights_version, "seconds": seconds, "pid": os.getpid()}
 
     def greedy(self, prompts: Sequence[str], max_tokens: int) -> list[str]:
         return self.generator.greedy(prompts, max_tokens)
