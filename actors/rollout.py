@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -33,12 +32,10 @@ class RolloutActor(Restartable):
         self, prompts: Sequence[str], n: int, sampling: SamplingSpec, max_tokens: int, seeds: Sequence[int] | None = None
     ) -> tuple[dict[str, np.ndarray], dict]:
         """`generate`'s batch, and what the driver reads without fetching the batch: the
-        `weights_version` the samples were drawn with, the `seconds` the engine took, and the
-        `pid` of the process that drew them (one Ray restarted has another)."""
+        `weights_version` the samples were drawn with and the `seconds` the engine took."""
         started = time.monotonic()
         batch = self.generate(prompts, n, sampling, max_tokens, seeds)
-        seconds = time.monotonic() - started
-        return batch, {"weights_version": self.generator.weights_version, "seconds": seconds, "pid": os.getpid()}
+        return batch, {"weights_version": self.generator.weights_version, "seconds": time.monotonic() - started}
 
     def greedy(self, prompts: Sequence[str], max_tokens: int) -> list[str]:
         return self.generator.greedy(prompts, max_tokens)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ray.util.metrics import Gauge
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
 from pipelines.config import MonitorConfig
@@ -105,11 +106,17 @@ class Sinks:
         self.history.append(metrics)
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
-        step = metrics["step"]
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value):
-                self.tb.add_scalar(key, value, step)
-                self._gauge(key, value)
+        scalars = {
+            key: float(value)
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" and math.isfinite(value)
+        }
+        # One TensorBoard event holds the step's every scalar: an event each (`add_scalar`) took
+        # ~1.4 ms of the driver's CPU a step for ~46 metrics, on a tiny step of ~60 ms.
+        summary = Summary(value=[Summary.Value(tag=key, simple_value=value) for key, value in scalars.items()])
+        self.tb.file_writer.add_summary(summary, metrics["step"])
+        for key, value in scalars.items():
+            self._gauge(key, value)
 
     def _gauge(self, key: str, value: float) -> None:
         if key not in self.gauges:

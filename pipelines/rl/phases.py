@@ -77,6 +77,7 @@ class Generation:
     step: int
     problems: list[Problem]
     chunks: list[np.ndarray]  # the prompt indices of each engine's share
+    version: int  # the weights pushed before the launch: each engine holds them (or newer) when it samples
     parts: list[tuple[ray.ObjectRef, ray.ObjectRef]] = field(default_factory=list)
 
 
@@ -85,7 +86,7 @@ def launch_generation(roles: Roles, cfg: RaypoConfig, problems: list[Problem], s
     sampling seed (from the run seed, the step and its index in the step). An engine samples with
     the weights it holds when it reaches the call: its calls run in the order they were made."""
     chunks = [c for c in np.array_split(np.arange(len(problems)), len(roles.rollouts)) if len(c)]
-    generation = Generation(step, problems, chunks)
+    generation = Generation(step, problems, chunks, roles.weight_sync.version)
     generation.parts = [_launch_share(roles, cfg, generation, i) for i in range(len(chunks))]
     return generation
 
@@ -111,14 +112,16 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
         ray.wait(batches, num_returns=len(batches), fetch_local=False)
         infos = _share_infos(generation)
         failed = {i for i, info in infos.items() if info is None}
-        # Each share's info names the process that sampled it: one Ray restarted before the call
-        # reached it sampled with the model's own weights. (Asked with a call of its own, the pid
-        # would wait behind the weights load queued on the engine, and the next step's launch with it.)
-        served = {f"rollout-{i}": info["pid"] for i, info in infos.items() if info is not None}
-        redo = set(restart_engines(roles, range(len(generation.chunks)), served)) | failed
-        if not redo:
+        # A share drawn with older weights than were pushed before its launch was drawn by an engine
+        # Ray restarted meanwhile (it starts from the model's own). Told by the share itself: asking
+        # each engine's pid every step waited behind the weights load queued on it.
+        behind = {i for i, info in infos.items() if info is not None and info["weights_version"] < generation.version}
+        if not failed | behind:
             break
-        for i in redo:
+        restarted = restart_engines(roles, sorted(failed | behind))
+        if unseen := behind - set(restarted):  # its restart was seen (and its weights restored) elsewhere
+            roles.weight_sync.restore([roles.rollouts[i] for i in sorted(unseen)])
+        for i in failed | behind:
             generation.parts[i] = _launch_share(roles, cfg, generation, i)
     infos = ray.get([info for _, info in generation.parts])  # an engine that keeps failing raises here
     facts = {"weights_version": min(i["weights_version"] for i in infos), "time_generate_busy": max(i["seconds"] for i in infos)}
@@ -127,8 +130,7 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
 
 
 def _share_infos(generation: Generation) -> dict[int, dict | None]:
-    """Each share's info (`RolloutActor.sample`), None where its engine died under it: restarted
-    (its pid is asked for), the engine is given the weights, and the share is asked for again."""
+    """Each share's info (`RolloutActor.sample`), None where its engine died under it."""
     infos = {}
     for i, (_, info) in enumerate(generation.parts):
         try:
@@ -147,11 +149,10 @@ def launch_ahead(roles: Roles, cfg: RaypoConfig) -> None:
             roles.ahead[step] = launch_generation(roles, cfg, roles.upcoming[step], step)
 
 
-def restart_engines(roles: Roles, engines, pids: dict[str, int] | None = None) -> list[int]:
+def restart_engines(roles: Roles, engines) -> list[int]:
     """The indices among `engines` of the rollout engines Ray restarted since the last look, given
-    the current weights again (a restarted engine starts from the model's own). `pids`: the
-    process ids some of them reported (`ActorWatch.restarted`); the others are asked."""
-    restarted = roles.watch.restarted([f"rollout-{i}" for i in engines], pids=pids)
+    the current weights again (a restarted engine starts from the model's own)."""
+    restarted = roles.watch.restarted([f"rollout-{i}" for i in engines])
     indices = [int(role.rsplit("-", 1)[1]) for role in restarted]
     if indices:
         roles.weight_sync.restore([roles.rollouts[i] for i in indices])

@@ -100,14 +100,10 @@ class ActorWatch:
                     ) from err
         return pids
 
-    def restarted(self, roles: list[str] | None = None, cause: str = "", pids: dict[str, int] | None = None) -> list[str]:
+    def restarted(self, roles: list[str] | None = None, cause: str = "") -> list[str]:
         """The roles among `roles` (default: all) whose process Ray replaced since the last look,
-        each logged with `cause` (else: its process exited) and counted. `pids`: the roles' process
-        ids as a call they just served reported them, instead of asking each role (a call that
-        would wait behind the work queued on it)."""
-        roles, pids = roles or list(self.actors), pids or {}
-        asked = [role for role in roles if role not in pids]
-        now = {role: pids[role] for role in roles if role in pids} | (self._pids(asked) if asked else {})
+        each logged with `cause` (else: its process exited) and counted."""
+        now = self._pids(roles or list(self.actors))
         changed = [role for role, pid in now.items() if pid != self.pids[role]]
         for role in changed:
             self.restarts[role] += 1
