@@ -26,6 +26,7 @@ class WeightSync:
     """Pushes the learners' current weights to every rollout engine."""
 
     SENDS_FLOAT32 = True  # the weights travel as float32 numpy (else in the model's dtypes)
+    WAITS_FOR_LOADS = False  # every push waits until each engine has loaded (else: with `wait=False`, it may not)
 
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle]):
         self.learners, self.rollouts = learners, list(rollouts)
@@ -81,6 +82,7 @@ class ObjectStoreSync(WeightSync):
 
 class BroadcastSync(WeightSync):
     SENDS_FLOAT32 = False
+    WAITS_FOR_LOADS = True
 
     def __init__(self, learners: LearnerGroup, rollouts: Sequence[ActorHandle], backend: str):
         """Form the weight-sync group: learner rank 0 (which hosts it) and every rollout engine."""

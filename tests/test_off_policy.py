@@ -59,9 +59,9 @@ def test_sampling_one_step_ahead_learns_as_the_synchronous_run(local_ray, tiny_m
     assert ahead["eval_accuracy_end"] >= sync["eval_accuracy_end"] - MAX_BEHIND, (sync, ahead)
 
 
-@pytest.mark.parametrize("when", ["idle", "busy"])
+@pytest.mark.parametrize("when, transport", [("idle", "object_store"), ("busy", "object_store"), ("idle", "broadcast")])
 def test_an_engine_killed_while_sampling_ahead_is_restarted_and_no_batch_is_drawn_with_lost_weights(
-    local_ray, tiny_model, tmp_path, capsys, when
+    local_ray, tiny_model, tmp_path, capsys, when, transport
 ):
     """SIGKILL to the engine after step 1. `idle`: once it has sampled step 2's batch and loaded
     step 1's weights (its pid asked first, a call queued behind both). Step 2 learns from that
@@ -69,23 +69,28 @@ def test_an_engine_killed_while_sampling_ahead_is_restarted_and_no_batch_is_draw
     step 3 with weights older than those pushed before that launch: seen from the batch's weights
     version, it is given the current weights and samples step 3 again. `busy`: at once, with step
     2's batch or the weights load still to run (which one, the machine decides): whatever died
-    is done again, and no step learns from samples more than one update stale."""
+    is done again, and no step learns from samples more than one update stale. With the broadcast
+    transport every push is waited for, so at step 2 each engine is asked whether it restarted: the
+    restarted one joins the broadcast again and gets the weights before it samples step 3."""
 
     pid = {}
 
     def kill(metrics):
-        engine = ray.get_actor(f"raypo:chaos-{when}:{os.getpid()}:rollout-0")  # a restarting engine keeps its handle
+        engine = ray.get_actor(f"raypo:chaos-{when}-{transport}:{os.getpid()}:rollout-0")  # a restarting engine keeps its handle
         if metrics["step"] == (1 if when == "idle" else 0):
             pid["engine"] = ray.get(engine.pid.remote())  # waits for the engine's queued calls
         if metrics["step"] == 1:
             os.kill(pid["engine"], signal.SIGKILL)
 
-    name = f"chaos-{when}"
-    _, lines = _run(tmp_path, name, "training.steps=5", "task.eval_problems=20", "algo.off_policy_steps=1", on_metrics=kill)
+    name = f"chaos-{when}-{transport}"
+    overrides = ["training.steps=5", "task.eval_problems=20", "algo.off_policy_steps=1", f"resource.weight_sync={transport}"]
+    _, lines = _run(tmp_path, name, *overrides, on_metrics=kill)
     assert "recovered: rollout-0 lost its process" in capsys.readouterr().err
     assert [m["step"] for m in lines] == [0, 1, 2, 3, 4] and all(m["update_success"] == 1.0 for m in lines)
     staleness = [m["staleness"] for m in lines]
-    if when == "idle":
+    if when == "idle" and transport == "broadcast":
+        assert staleness == [0, 1, 1, 1, 1]  # the weights given at step 2, before step 3 was launched
+    elif when == "idle":
         assert staleness == [0, 1, 1, 0, 1]  # step 3 sampled again, with the newest weights
     else:
         assert staleness[:2] == [0, 1] and set(staleness) <= {0, 1}, staleness

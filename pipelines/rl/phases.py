@@ -18,6 +18,7 @@ from pipelines.algos.sampling import prompt_seeds
 from pipelines.algos.schedules import clip_eps, group_size
 from pipelines.config import RaypoConfig
 from pipelines.data.tasks import Problem, reward_fields
+from pipelines.rl.recovery import RecoveryError
 from pipelines.rl.roles import Roles, sampling_spec
 
 
@@ -116,14 +117,21 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
         # Ray restarted meanwhile (it starts from the model's own). Told by the share itself: asking
         # each engine's pid every step waited behind the weights load queued on it.
         behind = {i for i, info in infos.items() if info is not None and info["weights_version"] < generation.version}
-        if not failed | behind:
+        redo = failed | behind
+        # Where every push waits for the loads (a broadcast), the engines are idle now and each is
+        # asked: one restarted since its share must join the broadcast again before the next push.
+        asked = range(len(generation.chunks)) if roles.weight_sync.WAITS_FOR_LOADS else sorted(redo)
+        restarted = set(restart_engines(roles, asked)) if asked else set()
+        if not redo:
             break
-        restarted = restart_engines(roles, sorted(failed | behind))
-        if unseen := behind - set(restarted):  # its restart was seen (and its weights restored) elsewhere
+        if unseen := redo - restarted:  # the restart was seen elsewhere: its weights are given again
             roles.weight_sync.restore([roles.rollouts[i] for i in sorted(unseen)])
-        for i in failed | behind:
+        for i in redo:
             generation.parts[i] = _launch_share(roles, cfg, generation, i)
     infos = ray.get([info for _, info in generation.parts])  # an engine that keeps failing raises here
+    if any(info["weights_version"] < generation.version for info in infos):  # restarted again at each retry
+        tries = cfg.resource.max_actor_restarts + 1
+        raise RecoveryError(f"step {step}: a rollout engine was restarted under its share at each of {tries} tries")
     facts = {"weights_version": min(i["weights_version"] for i in infos), "time_generate_busy": max(i["seconds"] for i in infos)}
     batches = [batch for batch, _ in generation.parts]
     return (batches[0] if len(batches) == 1 else roles.helpers.concat_batches.remote(*batches)), facts
