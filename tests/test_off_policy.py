@@ -76,8 +76,8 @@ def test_an_engine_killed_while_sampling_ahead_is_restarted_and_no_batch_is_draw
     pid = {}
 
     def kill(metrics):
-        engine = ray.get_actor(f"raypo:chaos-{when}-{transport}:{os.getpid()}:rollout-0")  # a restarting engine keeps its handle
         if metrics["step"] == (1 if when == "idle" else 0):
+            engine = ray.get_actor(f"raypo:chaos-{when}-{transport}:{os.getpid()}:rollout-0")
             pid["engine"] = ray.get(engine.pid.remote())  # waits for the engine's queued calls
         if metrics["step"] == 1:
             os.kill(pid["engine"], signal.SIGKILL)

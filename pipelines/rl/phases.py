@@ -121,7 +121,7 @@ def generate(roles: Roles, cfg: RaypoConfig, problems: list[Problem], step: int)
         # Where every push waits for the loads (a broadcast), the engines are idle now and each is
         # asked: one restarted since its share must join the broadcast again before the next push.
         asked = range(len(generation.chunks)) if roles.weight_sync.WAITS_FOR_LOADS else sorted(redo)
-        restarted = set(restart_engines(roles, asked)) if asked else set()
+        restarted = set(restart_engines(roles, asked))
         if not redo:
             break
         if unseen := redo - restarted:  # the restart was seen elsewhere: its weights are given again

@@ -101,9 +101,9 @@ class ActorWatch:
         return pids
 
     def restarted(self, roles: list[str] | None = None, cause: str = "") -> list[str]:
-        """The roles among `roles` (default: all) whose process Ray replaced since the last look,
-        each logged with `cause` (else: its process exited) and counted."""
-        now = self._pids(roles or list(self.actors))
+        """The roles among `roles` (None: all; none asked for an empty list) whose process Ray
+        replaced since the last look, each logged with `cause` (else: its process exited) and counted."""
+        now = self._pids(list(self.actors) if roles is None else roles)
         changed = [role for role, pid in now.items() if pid != self.pids[role]]
         for role in changed:
             self.restarts[role] += 1
