@@ -25,7 +25,10 @@ beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape
 learner's threads, measured in the same run, with each of torch's two float32 GEMMs: `torch.mm`
 (MKL's sgemm, what `nn.Linear` calls) and oneDNN (what raypo's learners call:
 actors/core/onednn.py). The ratio is taken against the faster of the two: how close the learner
-is to the machine's limit.
+is to the machine's limit. Beside it, the FLOP/s of an update's own matmuls, each made alone at
+its shape as the learner makes it (every linear layer's forward, input gradient and weight
+gradient over a minibatch's packed tokens, the LM head's over its response tokens): what a
+learner that did nothing but its matmuls would reach, and the learner's share of that.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import math
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 PHASES = ("generate", "reward", "reference", "value", "learn", "sync")
@@ -69,6 +73,7 @@ class ModelShape:
 
     def __init__(self, model_dir: Path):
         import torch  # heavy imports inside functions: `--help` stays quick
+        from torch import nn
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(model_dir)
@@ -79,6 +84,11 @@ class ModelShape:
         self.body -= 0 if config.tie_word_embeddings else self.head
         self.hidden, self.layers = config.hidden_size, config.num_hidden_layers
         self.inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
+        # the linear layers' (in, out) shapes and how many of each; the LM head apart: it runs at response positions only
+        output = model.get_output_embeddings()
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not output]
+        self.linears = Counter((m.in_features, m.out_features, m.bias is not None) for m in linears)
+        self.head_shape = (output.in_features, output.out_features)
 
     def needed_flops(self, row: dict, epochs: int) -> float:
         """FLOPs a step's policy update needs (see the module docstring), from the step's metrics."""
@@ -113,8 +123,41 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> dict
     return out
 
 
-def machine_gemm_flops(shape: ModelShape, rows: int, threads: int) -> dict[str, float]:
-    """`gemm_flops` of the model's MLP shape in a Ray task with the learner's threads (and as many CPUs)."""
+def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, repeats: int = 5) -> float:
+    """FLOP/s of one update's matmuls at the model's own shapes, made as the learner makes them (its
+    linear layers, oneDNN where it uses it): each linear layer's forward and backward (input and
+    weight gradients) over `rows` tokens, the LM head's over `head_rows`, each timed alone (the best
+    of `repeats`) and summed over the layers. What a learner doing nothing but its matmuls would reach."""
+    import torch  # here, like the other heavy imports of this bench: `--help` stays quick
+    from torch import nn
+
+    from actors.core.onednn import use_onednn
+
+    def best(product) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first call builds oneDNN's kernels for the shape
+            started = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - started)
+        return min(times[1:])
+
+    flops = seconds = 0.0
+    layers = [(*key, count, rows) for key, count in shape.linears.items()] + [(*shape.head_shape, False, 1, head_rows)]
+    for k, n, bias, count, m in layers:
+        layer = nn.Linear(k, n, bias=bias)
+        use_onednn(layer)
+        x, dy = torch.randn(m, k, requires_grad=True), torch.randn(m, n)
+        y = layer(x)
+        forward = best(lambda layer=layer, x=x: layer(x))
+        backward = best(lambda y=y, x=x, layer=layer, dy=dy: torch.autograd.grad(y, (x, layer.weight), dy, retain_graph=True))
+        flops += count * 6 * m * k * n
+        seconds += count * (forward + backward)
+    return flops / seconds
+
+
+def machine_gemm_flops(shape: ModelShape, rows: int, update_rows: tuple[int, int], threads: int) -> dict[str, float]:
+    """`gemm_flops` of the model's MLP shape over `rows`, and `update_gemm_flops` over `update_rows`
+    (tokens, response tokens), in a Ray task with the learner's threads (and as many CPUs)."""
     import ray  # heavy imports inside functions: `--help` stays quick
 
     from actors.common import limit_threads
@@ -122,7 +165,7 @@ def machine_gemm_flops(shape: ModelShape, rows: int, threads: int) -> dict[str, 
     @ray.remote(num_cpus=threads)
     def measure() -> dict[str, float]:
         limit_threads(threads)
-        return gemm_flops(shape.hidden, shape.inner, rows)
+        return gemm_flops(shape.hidden, shape.inner, rows) | {"update": update_gemm_flops(shape, *update_rows)}
 
     return ray.get(measure.remote())
 
@@ -141,9 +184,15 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
     # against the most threads the learner had (sampling ahead it widens once the engine is idle: actors/learner.py:Widening)
     threads = math.ceil(max(r["learner_threads"] for r in rows))
-    per_learner = machine_gemm_flops(shape, gemm_rows, threads)
+    # a minibatch's rows in the learner's matmuls: its distinct prompts' tokens and its response tokens (packed)
+    per_minibatch = cfg.training.minibatch_size / mean(rows, "samples") / cfg.resource.num_learners
+    packed = mean(rows, "prompt_tokens_distinct") + mean(rows, "response_tokens")
+    update_rows = (max(1, round(packed * per_minibatch)), max(1, round(mean(rows, "response_tokens") * per_minibatch)))
+    per_learner = machine_gemm_flops(shape, gemm_rows, update_rows, threads)
     gemms = {name: flops * cfg.resource.num_learners for name, flops in per_learner.items()}
-    return {"achieved": achieved, "gemm": max(gemms.values()), **{f"gemm {name}": f for name, f in gemms.items()}}
+    update = gemms.pop("update")
+    named = {f"gemm {name}": f for name, f in gemms.items()}
+    return {"achieved": achieved, "gemm": max(gemms.values()), "update": update, **named}
 
 
 def main() -> None:
@@ -187,6 +236,9 @@ def main() -> None:
         print(f"{'GEMM ' + name:<12}" + "".join(f"{s.get('gemm ' + name, math.nan) / 1e9:>22.2f}" for s in speed.values()))
     print(f"{'learn / GEMM':<12}" + "".join(f"{s['achieved'] / s['gemm']:>22.1%}" for s in speed.values()))
     print("(against the faster GEMM of the two)")
+    print(f"{'update GEMMs':<12}" + "".join(f"{s['update'] / 1e9:>22.2f}" for s in speed.values()))
+    print(f"{'learn / upd.':<12}" + "".join(f"{s['achieved'] / s['update']:>22.1%}" for s in speed.values()))
+    print("(update GEMMs: an update's own matmuls, each timed alone at its shape, the learner's library)")
     if {"grpo", "ppo"} <= set(results):
         g, p = mean(results["grpo"], "step_time"), mean(results["ppo"], "step_time")
         print(f"\nPPO step / GRPO step = {p / g:.2f}x (PPO adds the critic's forward and update)")
