@@ -214,3 +214,27 @@ def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch)
         assert (modeling._packed_response_logits(qwen, inputs, 1.0) is not None) is packs
     monkeypatch.setattr(modeling, "PACKED_MASK_ELEMENTS", 3 * 7 * 7 - 1)
     assert modeling._packed_response_logits(model, inputs, 1.0) is None
+
+
+@pytest.mark.parametrize("use", ["per position", "summed"])
+def test_rows_taken_beside_the_logits_get_the_gradient_of_plain_indexing(use):
+    """`_WithRows` (the packed path's logits and the rows that predict first tokens, one row taken
+    several times) against autograd's own indexing: the same values and the same gradient, whether
+    the logits' gradient comes as a tensor of its own (`per position`) or expanded (`summed`)."""
+    from actors.core.modeling import _WithRows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    seqs, cols = torch.tensor([0, 0, 1, 0]), torch.tensor([1, 1, 3, 4])  # row (0, 1) taken twice
+    weights = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)
+    row_weights = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+
+    def loss(whole: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return ((whole * weights).sum() if use == "per position" else whole.sum()) + (rows.exp() * row_weights).sum()
+
+    alias, rows = _WithRows.apply(logits, seqs, cols)
+    torch.testing.assert_close(rows, logits[seqs, cols])
+    assert alias.data_ptr() == logits.data_ptr()
+    (got,) = torch.autograd.grad(loss(alias, rows), logits)
+    (want,) = torch.autograd.grad(loss(logits, logits[seqs, cols]), logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

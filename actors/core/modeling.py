@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from actors.core.minibatch import scored_tokens
 from pipelines.algos.losses import logprobs_from_logits
@@ -88,15 +89,24 @@ def response_logprobs(model, inputs: dict[str, torch.Tensor], temperature: float
 def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, per_part) -> tuple[torch.Tensor, ...]:
     """`per_part(logits [n, t, V], response ids [n, t])`, a tuple of `[n, t]` tensors, run on each
     piece of `response_logit_parts` and joined along T into `[n, T]` tensors; or, where the rows'
-    prompts can be packed with their responses (`_packed_response_logits`), run once on the
-    response tokens' logits `[R, V]` and ids `[R]`, its results put in place in `[n, T]` tensors
-    (0 at padding)."""
+    prompts can be packed with their responses (`_packed_response_logits`), run on the packed
+    sequences' logits `[D, K, V]` and the response token each position predicts `[D, K]`, and on
+    the logits that predict each row's first response token (at its prompt's last position, one
+    for every row of the prompt) `[F, V]` and those tokens `[F]`; the results at the response
+    tokens put in place in `[n, T]` tensors (0 at padding). The packed logits are not gathered
+    into `[R, V]` first: that copy, and its backward (a zero `[D, K, V]` gradient the rows are
+    scattered into, added to the other), took ~5% of a SmolLM2 update."""
     ids, done, results = inputs["response_ids"], 0, []
     packed = _packed_response_logits(model, inputs, temperature)
-    if packed is not None:  # [R, V] at the R response tokens, and where each is in `[n, T]`
-        logits, where = packed
+    if packed is not None:
+        logits, predicted, (pick, where), (first_at, first_rows) = packed
+        logits, first_logits = _WithRows.apply(logits, *first_at)
+        rest, first = per_part(logits, predicted), per_part(first_logits, ids[first_rows, 0])
         return tuple(
-            torch.zeros(ids.shape, dtype=r.dtype, device=r.device).index_put(where, r) for r in per_part(logits, ids[where])
+            torch.zeros(ids.shape, dtype=r.dtype, device=r.device)
+            .index_put(where, r[pick])
+            .index_put_((first_rows, torch.zeros_like(first_rows)), f)
+            for r, f in zip(rest, first, strict=True)
         )
     for logits in response_logit_parts(model, inputs, temperature):
         results.append(per_part(logits, ids[:, done : done + logits.shape[1]]))
@@ -110,14 +120,38 @@ PACKABLE_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 PACKED_MASK_ELEMENTS = 1 << 22  # the most [sequences, L, L] attention-mask entries a packed pass builds (16 MB float32)
 
 
+class _WithRows(torch.autograd.Function):
+    """`(logits, logits[seqs, cols])`: the logits as they are and a copy of some of their rows. The
+    backward adds the rows' gradient into the logits' gradient in place, where autograd's
+    indexing would scatter it into a zero tensor of the logits' size and add the two."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, seqs: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(seqs, cols)
+        return logits.detach(), logits[seqs, cols]  # detached: an alias, not a view made inside a Function
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        seqs, cols = ctx.saved_tensors
+        # a gradient autograd made for this node alone (an expanded one is copied before it is written)
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        return grad.index_put_((seqs, cols), grad_rows, accumulate=True), None, None
+
+
 def _packed_response_logits(
     model, inputs: dict[str, torch.Tensor], temperature: float
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple, tuple], tuple[tuple, torch.Tensor]] | None:
     """Each distinct prompt once, followed by every response that shares it, as one sequence of
     one forward pass: a response attends to its prompt and to its own earlier tokens only (a 4D
     mask), at the positions it would have after its prompt alone; padding is left out. Returns
-    the logits `[R, V]` that predict the batch's R response tokens (divided by `temperature`) and
-    their `(rows, columns)` in `[n, T]`, row by row. Up to float rounding the logits of one pass
+    the logits `[D, K, V]` (divided by `temperature`) of the packed positions from the first that
+    predicts a response token (the LM head runs there only); the response token each of those
+    positions predicts `[D, K]` (0 where none, and at the prompts' last positions); for the
+    other response tokens, row by row, the `(sequences, columns)` in `[D, K]` of the positions
+    that predict them and their `(rows, columns)` in `[n, T]`; and for each row with a response,
+    the `(sequence, column)` in `[D, K]` of its prompt's last position, which predicts its first
+    token, and the row. Up to float rounding the logits of one pass
     over each row's prompt + response (tests/test_modeling.py), with one pass instead of two, no
     key-value copies and no padded response positions; the rounding depends on which rows are
     packed together (the sequences are padded to the longest), which in bf16 is ~1e-3.
@@ -163,9 +197,15 @@ def _packed_response_logits(
     mask = torch.zeros(D, 1, L, L, dtype=dtype, device=device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     first = min(prompt_lengths) - 1  # the first position whose logits are read: a shortest prompt's last
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=L - first)
-    logits = out.logits[at["out_seq"], at["out_col"] - first].float()  # [R, V]
-    where = (at["out_row"], at["out_t"])
-    return (logits if temperature == 1.0 else logits / temperature), where
+    logits = out.logits.float()  # [D, K, V]
+    later = at["out_t"] > 0  # the tokens after a row's first: each predicted from its own position
+    pick = (at["out_seq"][later], at["out_col"][later] - first)
+    where = (at["out_row"][later], at["out_t"][later])
+    predicted = torch.zeros(logits.shape[:2], dtype=torch.long, device=device).index_put_(pick, inputs["response_ids"][where])
+    opening = ~later
+    first_at = (at["out_seq"][opening], at["out_col"][opening] - first)
+    logits = logits if temperature == 1.0 else logits / temperature
+    return logits, predicted, (pick, where), (first_at, at["out_row"][opening])
 
 
 def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:
