@@ -238,6 +238,18 @@ def report(results: list[dict], args) -> None:
         theirs = walls[-1] if trl else None
         ratios = [f"{w / theirs:>22.2f}" if w and theirs else f"{'-':>22}" for w in walls[: len(ours)]] if trl else []
         print(f"{target:<20.3f}{''.join(cells)}{''.join(ratios)}")
+    if trl:
+        # The same target against the wall time TRL took for all its steps (the run that gave it that
+        # accuracy): where TRL still improves at its last step the two readings agree; where it has
+        # long saturated, its first evaluation at its final value is a draw from the plateau.
+        last = max(trl["curve"])
+        final, total = trl["curve"][last]
+        reached = [wall_to(r["curve"], round(final, 3)) for r in ours]
+        cells = [
+            f"{r['name']} {w:.1f} s ({w / total:.2f}x)" if w is not None else f"{r['name']} not reached"
+            for r, w in zip(ours, reached, strict=True)
+        ]
+        print(f"TRL's accuracy at step {last}, {final:.3f}, after its {total:.1f} s of steps; reached by " + ", ".join(cells))
 
 
 def main() -> int:
