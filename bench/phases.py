@@ -34,6 +34,7 @@ learner that did nothing but its matmuls would reach, and the learner's share of
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -87,7 +88,7 @@ class ModelShape:
         # the linear layers' (in, out) shapes and how many of each; the LM head apart: it runs at response positions only
         output = model.get_output_embeddings()
         linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not output]
-        self.linears = Counter((m.in_features, m.out_features, m.bias is not None) for m in linears)
+        self.linears = Counter((m.in_features, m.out_features) for m in linears)
         self.head_shape = (output.in_features, output.out_features)
 
     def needed_flops(self, row: dict, epochs: int) -> float:
@@ -123,36 +124,41 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> dict
     return out
 
 
-def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, repeats: int = 5) -> float:
-    """FLOP/s of one update's matmuls at the model's own shapes, made as the learner makes them (its
-    linear layers, oneDNN where it uses it): each linear layer's forward and backward (input and
-    weight gradients) over `rows` tokens, the LM head's over `head_rows`, each timed alone (the best
-    of `repeats`) and summed over the layers. What a learner doing nothing but its matmuls would reach."""
+def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: float = 0.3) -> float:
+    """FLOP/s of one update's matmuls at the model's own shapes, made as the learner's linear layers
+    make them (actors/core/onednn.py where it is on, else torch's BLAS), without autograd around
+    them: each linear layer's forward `x W^T`, input gradient `dy W` and weight gradient `dy^T x`
+    over `rows` tokens, the LM head's over `head_rows`; each product the best of its repeated
+    timings (for `seconds`, at least 3 after a first that builds oneDNN's kernel), summed over the
+    layers. What a learner doing nothing but its matmuls would reach."""
     import torch  # here, like the other heavy imports of this bench: `--help` stays quick
-    from torch import nn
 
-    from actors.core.onednn import use_onednn
+    from actors.core import onednn
 
     def best(product) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first call builds oneDNN's kernels for the shape
-            started = time.perf_counter()
+        product()  # the first call builds oneDNN's kernel for the shape
+        times, started = [], time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - started < seconds:
+            t0 = time.perf_counter()
             product()
-            times.append(time.perf_counter() - started)
-        return min(times[1:])
+            times.append(time.perf_counter() - t0)
+        return min(times)
 
-    flops = seconds = 0.0
-    layers = [(*key, count, rows) for key, count in shape.linears.items()] + [(*shape.head_shape, False, 1, head_rows)]
-    for k, n, bias, count, m in layers:
-        layer = nn.Linear(k, n, bias=bias)
-        use_onednn(layer)
-        x, dy = torch.randn(m, k, requires_grad=True), torch.randn(m, n)
-        y = layer(x)
-        forward = best(lambda layer=layer, x=x: layer(x))
-        backward = best(lambda y=y, x=x, layer=layer, dy=dy: torch.autograd.grad(y, (x, layer.weight), dy, retain_graph=True))
+    if onednn.available():  # as `_Linear` multiplies (its weight gradient on MKL past the copy limit)
+        products = (
+            lambda x, w, dy: onednn.matmul_t(x, w),
+            lambda x, w, dy: onednn.matmul_t(dy, w.t()),
+            lambda x, w, dy: onednn.matmul_t(dy.t(), x.t()) if dy.numel() <= onednn.WEIGHT_GRAD_COPY_LIMIT else dy.t().mm(x),
+        )
+    else:  # as `nn.Linear` does on CPU
+        products = (lambda x, w, dy: x.mm(w.t()), lambda x, w, dy: dy.mm(w), lambda x, w, dy: dy.t().mm(x))
+    flops = total = 0.0
+    layers = [(k, n, count, rows) for (k, n), count in shape.linears.items()] + [(*shape.head_shape, 1, head_rows)]
+    for k, n, count, m in layers:
+        x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
         flops += count * 6 * m * k * n
-        seconds += count * (forward + backward)
-    return flops / seconds
+        total += count * sum(best(functools.partial(p, x, w, dy)) for p in products)
+    return flops / total
 
 
 def machine_gemm_flops(shape: ModelShape, rows: int, update_rows: tuple[int, int], threads: int) -> dict[str, float]:

@@ -216,11 +216,13 @@ def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch)
     assert modeling._packed_response_logits(model, inputs, 1.0) is None
 
 
-@pytest.mark.parametrize("use", ["per position", "summed"])
+@pytest.mark.parametrize("use", ["per position", "summed", "shared"])
 def test_rows_taken_beside_the_logits_get_the_gradient_of_plain_indexing(use):
     """`_WithRows` (the packed path's logits and the rows that predict first tokens, one row taken
     several times) against autograd's own indexing: the same values and the same gradient, whether
-    the logits' gradient comes as a tensor of its own (`per position`) or expanded (`summed`)."""
+    the logits' gradient comes as a tensor of its own (`per position`), expanded (`summed`), or as
+    the one tensor an addition hands to both its inputs (`shared`: the other input's gradient stays
+    its own)."""
     from actors.core.modeling import _WithRows
 
     gen = torch.Generator().manual_seed(0)
@@ -228,13 +230,45 @@ def test_rows_taken_beside_the_logits_get_the_gradient_of_plain_indexing(use):
     seqs, cols = torch.tensor([0, 0, 1, 0]), torch.tensor([1, 1, 3, 4])  # row (0, 1) taken twice
     weights = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)
     row_weights = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    other = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    shifted = other * 1.0  # made before the Function: its backward runs after `_WithRows`'
 
     def loss(whole: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return ((whole * weights).sum() if use == "per position" else whole.sum()) + (rows.exp() * row_weights).sum()
+        per_position = {"per position": lambda: (whole * weights).sum(), "summed": whole.sum}
+        per_position["shared"] = lambda: ((whole + shifted) * weights).sum()
+        return per_position[use]() + (rows.exp() * row_weights).sum()
 
     alias, rows = _WithRows.apply(logits, seqs, cols)
     torch.testing.assert_close(rows, logits[seqs, cols])
     assert alias.data_ptr() == logits.data_ptr()
-    (got,) = torch.autograd.grad(loss(alias, rows), logits)
-    (want,) = torch.autograd.grad(loss(logits, logits[seqs, cols]), logits)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    got = torch.autograd.grad(loss(alias, rows), (logits, other), allow_unused=True, retain_graph=True)
+    want = torch.autograd.grad(loss(logits, logits[seqs, cols]), (logits, other), allow_unused=True, retain_graph=True)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+    if use == "shared":
+        torch.testing.assert_close(got[1], weights, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(top_p=0.5), SamplingSpec(top_k=3, temperature=0.7), SamplingSpec()])
+def test_packed_sampling_log_probs_and_a_graphed_entropy_equal_the_two_passes(model, spec):
+    """The learner's `per_part` (pipelines/algos/sampling.py: truncated log-probs, the full
+    softmax's, an entropy with a graph), which reads the logits more than once, on the packed
+    path and on the two passes: the same three values at the response tokens and the same
+    gradients of every parameter."""
+    inputs = _three_prompts(3)
+    packable = LlamaForCausalLM(model.config).eval()
+    packable.load_state_dict(model.state_dict())
+    renamed = RenamedLlama(model.config).eval()
+    renamed.load_state_dict(model.state_dict())
+    mask = inputs["response_mask"].float()
+    weights = torch.from_numpy(np.random.default_rng(4).standard_normal((3, 8, 3))).float() * mask
+
+    def run(m):
+        out = along_response(m, inputs, spec.temperature, lambda logits, ids: token_logprobs_and_entropy(logits, ids, spec, True))
+        loss = sum(((o * w).sum() for o, w in zip(out, weights, strict=True)), torch.zeros(()))
+        return out, torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)
+
+    (packed, packed_grads), (two, two_grads) = run(packable), run(renamed)
+    for got, want in zip(packed, two, strict=True):
+        torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
+    for got, want in zip(packed_grads, two_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
