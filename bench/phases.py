@@ -113,15 +113,17 @@ def gemm_flops(hidden: int, inner: int, rows: int, seconds: float = 2.0) -> dict
     products = {"torch.mm": lambda: torch.mm(a, b)}
     if onednn.has_linear_op():  # measured even with RAYPO_ONEDNN=0: it is the machine's limit
         products["oneDNN"] = lambda: onednn.matmul_t(a, weight)
-    out = {}
-    for name, product in products.items():
-        best, started = float("inf"), time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            t0 = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - t0)
-        out[name] = 2 * rows * hidden * inner / best
-    return out
+    return {name: 2 * rows * hidden * inner / fastest(product, seconds) for name, product in products.items()}
+
+
+def fastest(product, seconds: float, at_least: int = 1) -> float:
+    """The shortest of repeated timings of `product()`, repeated for `seconds` and `at_least` times."""
+    times, started = [], time.perf_counter()
+    while len(times) < at_least or time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: float = 0.3) -> float:
@@ -137,18 +139,13 @@ def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: flo
 
     def best(product) -> float:
         product()  # the first call builds oneDNN's kernel for the shape
-        times, started = [], time.perf_counter()
-        while len(times) < 3 or time.perf_counter() - started < seconds:
-            t0 = time.perf_counter()
-            product()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return fastest(product, seconds, at_least=3)
 
-    if onednn.available():  # as `_Linear` multiplies (its weight gradient on MKL past the copy limit)
+    if onednn.available():  # as `_Linear` multiplies
         products = (
             lambda x, w, dy: onednn.matmul_t(x, w),
             lambda x, w, dy: onednn.matmul_t(dy, w.t()),
-            lambda x, w, dy: onednn.matmul_t(dy.t(), x.t()) if dy.numel() <= onednn.WEIGHT_GRAD_COPY_LIMIT else dy.t().mm(x),
+            lambda x, w, dy: onednn.weight_grad(dy, x),
         )
     else:  # as `nn.Linear` does on CPU
         products = (lambda x, w, dy: x.mm(w.t()), lambda x, w, dy: dy.mm(w), lambda x, w, dy: dy.t().mm(x))
@@ -187,11 +184,11 @@ def learner_speed(rows: list[dict], cfg, out_dir: str) -> dict[str, float]:
     shape = ModelShape(Path(out_dir) / cfg.name / "final")  # the trained policy: the model's config and shapes
     achieved = sum(shape.needed_flops(r, cfg.training.epochs) for r in rows) / sum(r["time_learn"] for r in rows)
     tokens = mean(rows, "prompt_tokens") + mean(rows, "response_tokens")
-    gemm_rows = max(1, round(tokens / mean(rows, "samples") * cfg.training.minibatch_size / cfg.resource.num_learners))
     # against the most threads the learner had (sampling ahead it widens once the engine is idle: actors/learner.py:Widening)
     threads = math.ceil(max(r["learner_threads"] for r in rows))
+    per_minibatch = cfg.training.minibatch_size / mean(rows, "samples") / cfg.resource.num_learners  # of a step, per learner
+    gemm_rows = max(1, round(tokens * per_minibatch))
     # a minibatch's rows in the learner's matmuls: its distinct prompts' tokens and its response tokens (packed)
-    per_minibatch = cfg.training.minibatch_size / mean(rows, "samples") / cfg.resource.num_learners
     packed = mean(rows, "prompt_tokens_distinct") + mean(rows, "response_tokens")
     update_rows = (max(1, round(packed * per_minibatch)), max(1, round(mean(rows, "response_tokens") * per_minibatch)))
     per_learner = machine_gemm_flops(shape, gemm_rows, update_rows, threads)

@@ -58,6 +58,12 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`dy^T x`, `[m, n]` and `[m, k]` -> `[n, k]`: a linear layer's weight gradient. oneDNN copies
+    `dy^T` first; past `WEIGHT_GRAD_COPY_LIMIT` elements MKL computes it instead, reading it in place."""
+    return matmul_t(dy.t(), x.t()) if dy.numel() <= WEIGHT_GRAD_COPY_LIMIT else dy.t().mm(x)
+
+
 class _Linear(torch.autograd.Function):
     """`y = x W^T + b` with every product in oneDNN: `dx = dy W`, `dW = dy^T x`, `db = sum dy`."""
 
@@ -81,8 +87,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = matmul_t(dy, weight.t()).view(ctx.x_shape)  # [m, n] x [k, n]^T -> [m, k]
         if ctx.needs_input_grad[1]:
-            # [n, m] x [k, m]^T -> [n, k]; oneDNN copies dy^T first, MKL reads it in place
-            dw = matmul_t(dy.t(), flat.t()) if dy.numel() <= WEIGHT_GRAD_COPY_LIMIT else dy.t().mm(flat)
+            dw = weight_grad(dy, flat)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db
