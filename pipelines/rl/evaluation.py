@@ -31,19 +31,32 @@ def eval_seeds(cfg: RaypoConfig, prompts) -> list[int]:
     return prompt_seeds(cfg.seed, 0, len(prompts), EVALUATION)
 
 
+class StaleEvaluation(RuntimeError):
+    """The engine an evaluation ran on served older weights than the run's: Ray restarted it
+    (from the model's own weights) before the evaluation's calls reached it."""
+
+
 def launch_evaluation(roles: Roles, cfg: RaypoConfig, problems: list[Problem]) -> Callable[[], tuple[dict, list[dict]]]:
     """`evaluate_problems` on the first rollout engine and the reward actor, begun: the engine's
     calls (greedy completions, and the pass@k samples) are queued now, so they run with the
     weights it holds now, ahead of any weight sync sent after them. Returns the rest (waiting for
-    them, scoring, summing up), which a thread may run while training goes on."""
+    them, scoring, summing up), which a thread may run while training goes on. The rest raises
+    `StaleEvaluation` where the engine served older weights than the run's when the calls reached
+    it (its weights version, asked just ahead of them in its queue, tells)."""
     engine, max_tokens, k = roles.rollouts[0], eval_max_tokens(cfg, problems), cfg.eval.samples
     prompts = [p.prompt for p in problems]
+    expected, served = roles.weight_sync.version, engine.weights_version.remote()
     greedy_ref = engine.greedy.remote(prompts, max_tokens)
     sampling = SamplingSpec(temperature=cfg.eval.temperature)
     sample_ref = engine.generate.remote(prompts, k, sampling, max_tokens, eval_seeds(cfg, prompts)) if k > 0 else None
 
     def greedy(asked):
         assert asked == prompts, "evaluate_problems asks for the prompts queued above"
+        if (version := ray.get(served)) < expected:
+            raise StaleEvaluation(
+                f"rollout-0 served weights version {version}, not the run's {expected}: Ray restarted it (from the "
+                "model's own weights) before the evaluation's calls reached it"
+            )
         return ray.get(greedy_ref)
 
     def sample(asked, n):

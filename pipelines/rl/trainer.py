@@ -42,7 +42,7 @@ from pipelines.models.resolve import resolve_model_path
 from pipelines.registry import Registry
 from pipelines.rl.checkpoints import load_checkpoint, save_checkpoint
 from pipelines.rl.dpo import dpo_evaluate, dpo_step
-from pipelines.rl.evaluation import launch_evaluation
+from pipelines.rl.evaluation import StaleEvaluation, launch_evaluation
 from pipelines.rl.grpo import grpo_step
 from pipelines.rl.monitor import Alerts, Sinks
 from pipelines.rl.phases import prompts_at, restart_engines
@@ -121,13 +121,18 @@ class Trainer:
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
         writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
-        finish = self._launch_evaluation()
+        finish = self._launch_evaluation(engine_idle=True)
         return self._evaluated(label, finish())
 
-    def _launch_evaluation(self) -> Callable[[], tuple[dict, list[dict]]]:
+    def _launch_evaluation(self, engine_idle: bool) -> Callable[[], tuple[dict, list[dict]]]:
         """`launch_evaluation` with the current weights: what it needs of the learners (the
-        pipeline's own part, DPO's) is done now; returns the rest, as `launch_evaluation` does."""
-        restart_engines(self.roles, [0])  # the evaluation's engine: with the current weights, if it was restarted
+        pipeline's own part, DPO's) is done now; returns the rest, as `launch_evaluation` does.
+        The evaluation's engine, if Ray restarted it, is given the current weights first where it
+        is `engine_idle`; busy with a batch sampled ahead, asking it would wait for that batch:
+        an evaluation on a restarted engine's starting weights is then reported lost
+        (`StaleEvaluation`), and the engine gets the weights at its next share."""
+        if engine_idle:
+            restart_engines(self.roles, [0])
         finish = launch_evaluation(self.roles, self.cfg, self.eval_problems)
         extra = self.pipeline.evaluate(self.roles, self.cfg, self.eval_problems) if self.pipeline.evaluate else {}
 
@@ -251,7 +256,7 @@ class Trainer:
         result: Future = Future()
 
         def launch() -> None:
-            finish = self._launch_evaluation()
+            finish = self._launch_evaluation(engine_idle=not self.cfg.algo.off_policy_steps)
             # a daemon: one waiting on an engine that hangs does not keep the process from exiting
             threading.Thread(target=_settle, args=(result, finish), name="raypo-eval", daemon=True).start()
 
@@ -260,14 +265,16 @@ class Trainer:
 
     def _evaluated_beside(self, done_at: int, result: Future) -> dict:
         """The metrics of the evaluation begun after step `done_at` (`_evaluate_beside`), once done.
-        One whose engine or reward actor died under it is lost, said on stderr (`eval/failed`):
-        Ray restarts the actor, and the run goes on."""
+        One whose engine or reward actor died under it, or that ran on an engine Ray restarted
+        before it (`StaleEvaluation`), is lost, said on stderr (`eval/failed`): Ray restarts the
+        actor, the engine is given the weights, and the run goes on."""
         self.roles.generated()  # not queued yet (a step that generated nothing): now
         try:
             summary = self._evaluated(f"step_{done_at}", result.result())
-        except rex.RayActorError as err:
+        except (rex.RayActorError, StaleEvaluation) as err:
             cause = str(err).splitlines()[0][:300]
-            print(f"warning: the evaluation of step {done_at} is lost: an actor it ran on died ({cause})", file=sys.stderr)
+            how = "ran on a restarted engine" if isinstance(err, StaleEvaluation) else "an actor it ran on died"
+            print(f"warning: the evaluation of step {done_at} is lost: {how} ({cause})", file=sys.stderr)
             return {"eval/failed": 1.0, "eval/step": done_at}
         return {f"eval/{k}": v for k, v in summary.items()} | {"eval/step": done_at}
 
