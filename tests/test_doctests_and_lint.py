@@ -32,6 +32,7 @@ MODULES_WITH_EXAMPLES = [
     "pipelines.data.tasks",
     "pipelines.models.sft",
     "pipelines.models.vllm_engine",
+    "pipelines.rl.monitor",
     "pipelines.rl.roles",
     "pipelines.rl.recovery",
     "pipelines.rl.trainer",

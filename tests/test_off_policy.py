@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,50 @@ def test_an_engine_killed_while_sampling_ahead_is_restarted_and_no_batch_is_draw
         assert staleness == [0, 1, 1, 0, 1]  # step 3 sampled again, with the newest weights
     else:
         assert staleness[:2] == [0, 1] and set(staleness) <= {0, 1}, staleness
+
+
+def test_an_evaluation_beside_a_batch_sampled_ahead_waits_for_nothing_and_one_on_a_restarted_engine_is_lost(
+    local_ray, tiny_model, tmp_path, capsys, recwarn
+):
+    """Sampling ahead, an evaluation begun beside a step is queued behind the batch sampled ahead
+    without asking the engine anything first (that would wait for the batch): the steps that
+    launch one take no longer than the others. SIGKILL to engine 0 once it is idle after step 1
+    (it has sampled step 2's batch): the evaluation begun at step 2 reaches the restarted engine,
+    which serves the model's own weights: it is reported lost, naming why, and the run goes on
+    (step 3 is sampled again with the current weights, as in the test above)."""
+
+    def kill(metrics):
+        if metrics["step"] == 1:
+            engine = ray.get_actor(f"raypo:eval-ahead:{os.getpid()}:rollout-0")
+            pid = ray.get(engine.pid.remote())  # waits for the engine's queued calls
+            os.kill(pid, signal.SIGKILL)
+            # Back before step 2 goes on (a call that reaches it while it restarts fails: also a lost
+            # evaluation, for that other reason): the evaluation's calls reach the restarted engine.
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                try:
+                    if ray.get(engine.pid.remote(), timeout=30) != pid:
+                        return
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                    time.sleep(0.5)
+            raise AssertionError("rollout-0 did not come back within 300 s")
+
+    calm_overrides = ["training.steps=16", "task.eval_problems=20", "algo.off_policy_steps=1", "eval.every=2"]
+    _, calm = _run(tmp_path, "eval-calm", *calm_overrides)
+    # An evaluation is launched in the step after the one it follows (every second step, from step 2)
+    launching = [m["step_time"] for m in calm[2:] if m["step"] % 2 == 0]
+    others = [m["step_time"] for m in calm[2:] if m["step"] % 2 == 1]
+    assert statistics.median(launching) < 1.3 * statistics.median(others), (launching, others)
+    assert all("eval/accuracy" in m for m in calm if m["step"] % 2 == 0 and m["step"] > 0)
+
+    overrides = ["training.steps=5", "task.eval_problems=20", "algo.off_policy_steps=1", "eval.every=2"]
+    _, lines = _run(tmp_path, "eval-ahead", *overrides, on_metrics=kill)
+    err = capsys.readouterr().err
+    assert "warning: the evaluation of step 2 is lost: ran on a restarted engine (rollout-0 served weights version 0" in err
+    assert "recovered: rollout-0 lost its process" in err
+    by_step = {m["step"]: m for m in lines}
+    assert by_step[2]["eval/failed"] == 1.0 and by_step[2]["eval/step"] == 2
+    assert "eval/accuracy" in by_step[4] and all(m["update_success"] == 1.0 for m in lines)
+    assert [m["staleness"] for m in lines] == [0, 1, 1, 0, 1]
+    # every metric, `eval/...` ones included, exported as a Ray metric (pipelines/rl/monitor.py:gauge_name)
+    assert not [str(w.message) for w in recwarn if "Invalid metric name" in str(w.message)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +79,17 @@ class Alerts:
         return out
 
 
+def gauge_name(key: str) -> str:
+    """The Ray metric (Prometheus) name of the metric `key`: `raypo_` and the key, each character
+    Prometheus does not take in a name as `_` (Ray discards a metric whose name has one, such as
+    the `/` of `eval/accuracy`).
+
+    >>> gauge_name("eval/reward_mean/exact_match"), gauge_name("step_time")
+    ('raypo_eval_reward_mean_exact_match', 'raypo_step_time')
+    """
+    return "raypo_" + re.sub(r"[^a-zA-Z0-9_:]", "_", key)
+
+
 class Sinks:
     """Writes each step's metrics to metrics.jsonl, TensorBoard and Ray metrics (Prometheus).
     Ray's gauges carry the tag `run` (the run's name), so runs sharing a cluster, such as the
@@ -120,7 +132,7 @@ class Sinks:
 
     def _gauge(self, key: str, value: float) -> None:
         if key not in self.gauges:
-            self.gauges[key] = Gauge(f"raypo_{key}", description=f"raypo training metric {key}", tag_keys=("run",))
+            self.gauges[key] = Gauge(gauge_name(key), description=f"raypo training metric {key}", tag_keys=("run",))
         try:
             self.gauges[key].set(value, tags={"run": self.run})
         except Exception:  # Ray metrics need a connected worker; never let them break training
