@@ -131,14 +131,18 @@ unchanged = sample()
 for state in ({k: v.numpy() for k, v in hf.items()}, moved):
     on_worker(lambda runner: runner.reload_weights(weights_iterator=iter(tensors_from_arrays(state))))
 after_vllm = sample()
-# The in-place load again, twice, from the routes its first load worked out (vLLM's reload came between)
+# The in-place load again, twice, from the routes its first load worked out (vLLM's reload came
+# between): the starting weights (every tensor must land: they differ from `moved` everywhere), then `moved`
+routes = on_worker(lambda runner: id(runner.get_model()._raypo_load_routes))
 on_worker(lambda runner: load_in_place(runner.get_model(), tensors_from_arrays({k: v.numpy() for k, v in hf.items()})))
+back = sample()
 again = on_worker(lambda runner: load_in_place(runner.get_model(), tensors_from_arrays(moved)))
 after_again = sample()
+same_routes = on_worker(lambda runner: id(runner.get_model()._raypo_load_routes)) == routes
 compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # by anything in this process, the engine included
 print("RAYPO_JSON " + json.dumps({"fast": fast, "partial": partial, "before": before, "after_fast": after_fast,
-                                 "unchanged": unchanged, "after_vllm": after_vllm, "again": again,
-                                 "after_again": after_again, "compiled": compiled}))
+                                 "unchanged": unchanged, "after_vllm": after_vllm, "again": again, "back": back,
+                                 "after_again": after_again, "same_routes": same_routes, "compiled": compiled}))
 """
 
 

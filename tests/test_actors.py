@@ -334,17 +334,19 @@ def test_in_place_reload_samples_as_vllms_own_reload(model, request):
     the same weights into the same engine: the same seeded samples and log-probs, different from
     those before. The tiny model has its own LM head; SmolLM2 ties it to the embeddings and
     shares key/value heads. A load that leaves a layer out is refused and changes nothing. Loaded
-    again after vLLM's reload, from the routes its first load worked out, it samples as vLLM's
-    reload again. The
-    engine samples with log-probs without compiling anything (pipelines/models/vllm_engine.py:
-    `_rank_eagerly`; vLLM's compiled rank count took ~3 s at the first request)."""
+    again after vLLM's reload, from the routes its first load worked out, it samples as before
+    with the starting weights and as vLLM's reload with the moved ones. The engine samples with
+    log-probs without compiling anything (pipelines/models/vllm_engine.py: `_rank_eagerly`;
+    vLLM's compiled rank count took ~3 s at the first request)."""
     model_dir = request.getfixturevalue("tiny_model" if model == "tiny" else "smollm2")[0]
     prompts = [p.prompt for p in Arithmetic().sample(6, "heldout", seed=3)]
     got = reloaded_two_ways(model_dir, prompts)
-    assert got["fast"] is True and got["partial"] is False and got["again"] is True
-    for reloaded in ("after_fast", "after_again"):  # the second in-place load reuses the first's routes
+    assert got["fast"] is True and got["partial"] is False and got["again"] is True and got["same_routes"] is True
+    for reloaded in ("after_fast", "after_again"):  # the later in-place loads reuse the first's routes
         assert got[reloaded][0] == got["after_vllm"][0]
         np.testing.assert_allclose(got[reloaded][1], got["after_vllm"][1], rtol=0, atol=1e-5)
+    assert got["back"][0] == got["before"][0]  # the starting weights, back through the same routes
+    np.testing.assert_allclose(got["back"][1], got["before"][1], rtol=0, atol=1e-5)
     assert got["unchanged"] == got["after_fast"]
     assert got["before"][1] != got["after_fast"][1]
     assert got["compiled"] == 0

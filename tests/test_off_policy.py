@@ -119,7 +119,7 @@ def test_an_evaluation_beside_a_batch_sampled_ahead_waits_for_nothing_and_one_on
                 try:
                     if ray.get(engine.pid.remote(), timeout=30) != pid:
                         return
-                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting
                     time.sleep(0.5)
             raise AssertionError("rollout-0 did not come back within 300 s")
 
@@ -128,7 +128,8 @@ def test_an_evaluation_beside_a_batch_sampled_ahead_waits_for_nothing_and_one_on
     # An evaluation is launched in the step after the one it follows (every second step, from step 2)
     launching = [m["step_time"] for m in calm[2:] if m["step"] % 2 == 0]
     others = [m["step_time"] for m in calm[2:] if m["step"] % 2 == 1]
-    assert statistics.median(launching) < 1.3 * statistics.median(others), (launching, others)
+    # measured: 0.128 s against 0.066 s when the driver asked the busy engine first; 0.072 / 0.072 s without
+    assert statistics.median(launching) < 1.5 * statistics.median(others), (launching, others)
     assert all("eval/accuracy" in m for m in calm if m["step"] % 2 == 0 and m["step"] > 0)
 
     overrides = ["training.steps=5", "task.eval_problems=20", "algo.off_policy_steps=1", "eval.every=2"]

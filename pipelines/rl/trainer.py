@@ -120,9 +120,16 @@ class Trainer:
 
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation with the current weights (first rollout engine, reward actor);
-        writes its per-sample rows to eval_<label>.jsonl and returns the summary."""
-        finish = self._launch_evaluation(engine_idle=True)
-        return self._evaluated(label, finish())
+        writes its per-sample rows to eval_<label>.jsonl and returns the summary. Begun again
+        where the engine was restarted between the look for a restart and the evaluation's calls."""
+        tries = self.cfg.resource.max_actor_restarts + 1
+        for _ in range(tries):
+            finish = self._launch_evaluation(engine_idle=True)
+            try:
+                return self._evaluated(label, finish())
+            except StaleEvaluation:
+                continue  # the next look finds the restart and gives the engine the weights
+        raise RecoveryError(f"the {label} evaluation's engine, rollout-0, was restarted under it at each of {tries} tries")
 
     def _launch_evaluation(self, engine_idle: bool) -> Callable[[], tuple[dict, list[dict]]]:
         """`launch_evaluation` with the current weights: what it needs of the learners (the
