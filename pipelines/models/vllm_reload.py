@@ -48,12 +48,23 @@ class _Plan:
     embeddings: list[torch.nn.Module] = field(default_factory=list)  # embedding-like modules whose weight loads
     routes: list[tuple] = field(default_factory=list)  # each tensor's, in order (`_Routes.to`)
 
+    def add_param(self, module: torch.nn.Module, kind: str, tensor: torch.Tensor) -> None:
+        """`tensor` loads into `module`'s parameter `kind` (looked up now), through its loader."""
+        self.params.append((getattr(module, kind), tensor))
+        self.routes.append(("param", module, kind))
+
+    def add_shard(self, path: str, module: torch.nn.Module, size: int, index: int, kind: str, tensor: torch.Tensor) -> None:
+        """`tensor` is shard `index` of the `size` shards of linear layer `path`'s weight or bias (`kind`)."""
+        linear = self.linears.setdefault(path, _Linear(module, [None] * size, [None] * size))
+        (linear.weights if kind == "weight" else linear.biases)[index] = tensor
+        self.routes.append(("linear", path, module, size, index, kind))
+
 
 @dataclass
 class _Routes:
-    """Where `_plan` put each tensor of a load, by position: a linear layer's shard (its plan
-    key, module, shard index and kind) or a parameter (its module and attribute name); and the
-    embedding-like modules among those parameters' (whose packed copy is made again)."""
+    """Where `_plan` put each tensor of a load, by position: `_Plan.add_shard`'s or `add_param`'s
+    arguments but the tensor, after "linear" or "param"; and the embedding-like modules among
+    those parameters' (whose packed copy is made again)."""
 
     key: tuple
     to: list[tuple]
@@ -93,13 +104,8 @@ def _cached_plan(model: torch.nn.Module, tensors: Sequence[tuple[str, torch.Tens
             model._raypo_load_routes = _Routes(key, plan.routes, plan.embeddings)
         return plan
     plan = _Plan(embeddings=routes.embeddings)
-    for (_, tensor), to in zip(tensors, routes.to, strict=True):
-        if to[0] == "param":
-            plan.params.append((getattr(to[1], to[2]), tensor))
-        else:
-            _, path, module, index, kind, size = to
-            linear = plan.linears.setdefault(path, _Linear(module, [None] * size, [None] * size))
-            (linear.weights if kind == "weight" else linear.biases)[index] = tensor
+    for (_, tensor), (to, *where) in zip(tensors, routes.to, strict=True):
+        (plan.add_param if to == "param" else plan.add_shard)(*where, tensor)
     return plan
 
 
@@ -174,8 +180,7 @@ def _place(plan: _Plan, model: torch.nn.Module, shard_of: dict, name: str, tenso
     expected = (module.org_vocab_size, param.shape[1]) if _is_embedding_method(method) else tuple(param.shape)
     if tuple(tensor.shape) != expected:
         return None
-    plan.params.append((param, tensor))
-    plan.routes.append(("param", module, kind))
+    plan.add_param(module, kind, tensor)
     return param
 
 
@@ -204,11 +209,9 @@ def _place_shard(plan: _Plan, module, path: str, kind: str, index: int, tensor: 
     sizes = list(getattr(module, "output_partition_sizes", None) or [module.output_size_per_partition])
     if packed != (len(sizes) > 1) or index >= len(sizes):
         return False
-    linear = plan.linears.setdefault(path, _Linear(module, [None] * len(sizes), [None] * len(sizes)))
     rows = sizes[index] if packed else sum(sizes)
     shape = (rows, module.input_size_per_partition) if kind == "weight" else (rows,)
     if tuple(tensor.shape) != shape:
         return False
-    (linear.weights if kind == "weight" else linear.biases)[index] = tensor
-    plan.routes.append(("linear", path, module, index, kind, len(sizes)))
+    plan.add_shard(path, module, len(sizes), index, kind, tensor)
     return True
