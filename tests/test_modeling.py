@@ -8,8 +8,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.core.modeling import along_response, response_logits, sequence_tensors, shares_prompts, takes_logits_to_keep
-from pipelines.algos.losses import logprobs_from_logits
+from actors.core.modeling import (
+    along_response,
+    packed_token_logprobs,
+    response_logits,
+    sequence_tensors,
+    shares_prompts,
+    takes_logits_to_keep,
+)
+from actors.core.onednn import use_onednn
+from pipelines.algos.losses import logprobs_from_logits, token_logprobs
 from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 
 
@@ -272,3 +280,39 @@ def test_packed_sampling_log_probs_and_a_graphed_entropy_equal_the_two_passes(mo
         torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
     for got, want in zip(packed_grads, two_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    ("tied", "temperature", "product"),
+    [(False, 1.0, "torch"), (True, 0.7, "torch"), (True, 1.0, "oneDNN"), (False, 0.7, "oneDNN")],
+)
+def test_the_fused_head_gives_the_packed_logits_log_probs_entropies_and_gradients(model, attention, tied, temperature, product):
+    """`packed_token_logprobs` (the decoder's last hidden state through the fused LM head,
+    actors/core/lm_head.py) against `along_response` with `token_logprobs` on the packed logits:
+    the same log-probs and entropies at the response tokens, 0 at padding, and the same gradient
+    of every parameter (a tied embedding's two uses summed). None where the rows would not pack
+    and where the head has a bias."""
+    torch.manual_seed(5)
+    config = LlamaConfig(**{**model.config.to_dict(), "attn_implementation": attention, "tie_word_embeddings": tied})
+    packable = LlamaForCausalLM(config).eval()
+    assert (packable.lm_head.weight is packable.model.embed_tokens.weight) is tied
+    if product == "oneDNN" and not use_onednn(packable):
+        pytest.skip("this torch has no oneDNN linear op (or RAYPO_ONEDNN=0)")
+    inputs = _three_prompts(3)
+    mask = inputs["response_mask"].float()
+    weights = torch.from_numpy(np.random.default_rng(6).standard_normal((8, 3))).float() * mask
+    fused_logp, fused_entropy = packed_token_logprobs(packable, inputs, temperature, with_entropy=True)
+    logp, entropy = along_response(packable, inputs, temperature, lambda logits, ids: token_logprobs(logits, ids, True))
+    torch.testing.assert_close(fused_logp * mask, logp * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_entropy * mask, entropy * mask, rtol=1e-5, atol=1e-5)
+    assert torch.all(fused_logp[mask == 0] == 0) and torch.all(fused_entropy[mask == 0] == 0)
+    params = list(packable.parameters())
+    got = torch.autograd.grad((fused_logp * weights).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((logp * weights).sum(), params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    renamed = RenamedLlama(config).eval()
+    assert packed_token_logprobs(renamed, inputs, temperature) is None
+    packable.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size)
+    assert packed_token_logprobs(packable, inputs, temperature) is None

@@ -28,6 +28,7 @@ from actors.core.modeling import (
     completion_logprobs,
     completion_scores,
     loss_mask,
+    packed_token_logprobs,
     sequence_tensors,
 )
 from actors.core.onednn import use_onednn
@@ -151,6 +152,11 @@ class Learner:
         sampling distribution's entropy at each position (pipelines/algos/sampling.py), with a
         graph only when `entropy_grad` (a loss term)."""
         sampling = self.spec.sampling
+        if not sampling.truncates and not entropy_grad:  # the full softmax: the head and log-probs fused, where rows pack
+            fused = packed_token_logprobs(self.engine, inputs, sampling.temperature, with_entropy=True)
+            if fused is not None:
+                logp, entropy = fused
+                return logp, logp, entropy
 
         def per_part(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return token_logprobs_and_entropy(logits, ids, sampling, entropy_grad)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from actors.core import lm_head
 from actors.core.minibatch import scored_tokens
 from pipelines.algos.losses import logprobs_from_logits
 
@@ -83,6 +85,9 @@ def response_logit_parts(model, inputs: dict[str, torch.Tensor], temperature: fl
 
 def response_logprobs(model, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """`[n, T]`: each response token's log-prob under the model's full softmax at `temperature`."""
+    fused = packed_token_logprobs(model, inputs, temperature)
+    if fused is not None:
+        return fused[0]
     return along_response(model, inputs, temperature, lambda logits, ids: (logprobs_from_logits(logits, ids),))[0]
 
 
@@ -145,25 +150,95 @@ class _WithRows(torch.autograd.Function):
 def _packed_response_logits(
     model, inputs: dict[str, torch.Tensor], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple, tuple], tuple[tuple, torch.Tensor]] | None:
-    """Each distinct prompt once, followed by every response that shares it, as one sequence of
-    one forward pass: a response attends to its prompt and to its own earlier tokens only (a 4D
-    mask), at the positions it would have after its prompt alone; padding is left out. Returns
-    the logits `[D, K, V]` (divided by `temperature`) of the packed positions from the first that
-    predicts a response token (the LM head runs there only); the response token each of those
-    positions predicts `[D, K]` (0 where none, and at the prompts' last positions); for the
-    other response tokens, row by row, the `(sequences, columns)` in `[D, K]` of the positions
+    """The rows packed (`_packed_sequences`) and run through the model in one forward pass.
+    Returns the logits `[D, K, V]` (divided by `temperature`) of the packed positions from the
+    first that predicts a response token (the LM head runs there only); the response token each
+    of those positions predicts `[D, K]` (0 where none, and at the prompts' last positions); for
+    the other response tokens, row by row, the `(sequences, columns)` in `[D, K]` of the positions
     that predict them and their `(rows, columns)` in `[n, T]`; and for each row with a response,
     the `(sequence, column)` in `[D, K]` of its prompt's last position, which predicts its first
-    token, and the row. Up to float rounding the logits of one pass
-    over each row's prompt + response (tests/test_modeling.py), with one pass instead of two, no
-    key-value copies and no padded response positions; the rounding depends on which rows are
-    packed together (the sequences are padded to the longest), which in bf16 is ~1e-3.
+    token, and the row. None where the rows do not pack."""
+    packed = _packed_sequences(model, inputs)
+    if packed is None:
+        return None
+    at, first = packed.at, packed.first
+    out = model(
+        input_ids=packed.ids,
+        attention_mask=packed.mask,
+        position_ids=packed.positions,
+        use_cache=False,
+        logits_to_keep=packed.ids.shape[1] - first,
+    )
+    logits = out.logits.float()  # [D, K, V]
+    later = at["out_t"] > 0  # the tokens after a row's first: each predicted from its own position
+    pick = (at["out_seq"][later], at["out_col"][later] - first)
+    where = (at["out_row"][later], at["out_t"][later])
+    predicted = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device).index_put_(
+        pick, inputs["response_ids"][where]
+    )
+    opening = ~later
+    first_at = (at["out_seq"][opening], at["out_col"][opening] - first)
+    logits = logits if temperature == 1.0 else logits / temperature
+    return logits, predicted, (pick, where), (first_at, at["out_row"][opening])
+
+
+def packed_token_logprobs(
+    model, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`[n, T]` each (0 at padding): each response token's log-prob under the model's full softmax
+    at `temperature`, and (`with_entropy`) that softmax's entropy, a value without a gradient. The
+    rows packed as `_packed_sequences` says and run through the model's decoder in one pass; its
+    last hidden state at the positions that predict a response token goes through the LM head
+    and the log-probs together, a chunk of the vocabulary at a time (actors/core/lm_head.py), so
+    no `[R, V]` logits or gradient are ever whole. The numbers of `along_response` with
+    `token_logprobs`, to float rounding (tests/test_modeling.py). None where the rows do not pack
+    or the head is not a float32 linear map without bias (`lm_head.fuses`): the caller takes
+    `along_response`."""
+    module = getattr(model, "module", model)
+    head = module.get_output_embeddings()
+    packed = _packed_sequences(model, inputs) if lm_head.fuses(head) else None
+    if packed is None:
+        return None
+    # the decoder, not the causal LM: its last hidden state (after the final norm) is what Llama,
+    # Mistral, Qwen2 and Qwen3 (`PACKABLE_LMS`) hand their LM head, unscaled
+    out = module.get_decoder()(input_ids=packed.ids, attention_mask=packed.mask, position_ids=packed.positions, use_cache=False)
+    at = packed.at
+    hidden = out.last_hidden_state[at["out_seq"], at["out_col"]]  # [D, L, d] -> [R, d]: the position predicting each token
+    hidden = hidden if temperature == 1.0 else hidden / temperature
+    where = (at["out_row"], at["out_t"])  # each of those tokens in [n, T]
+    logp, entropy = lm_head.token_logprobs(hidden, head, inputs["response_ids"][where], with_entropy)  # [R] each
+
+    def in_place(values: torch.Tensor) -> torch.Tensor:  # [R] -> [n, T]
+        return torch.zeros(inputs["response_ids"].shape, dtype=values.dtype, device=values.device).index_put(where, values)
+
+    return in_place(logp), None if entropy is None else in_place(entropy)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """`_packed_sequences`: one sequence per distinct prompt, padded to the longest `L`."""
+
+    ids: torch.Tensor  # [D, L]
+    positions: torch.Tensor  # [D, L]
+    mask: torch.Tensor  # [D, 1, L, L]: 0 where a position may attend, the dtype's lowest elsewhere
+    at: dict[str, torch.Tensor]  # `_packing`'s columns as tensors
+    first: int  # the first position whose logits are read: a shortest prompt's last
+
+
+def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
+    """Each distinct prompt once, followed by every response that shares it, as one sequence of
+    one forward pass: a response attends to its prompt and to its own earlier tokens only (a 4D
+    mask), at the positions it would have after its prompt alone; padding is left out. Up to
+    float rounding the logits of one pass over each row's prompt + response
+    (tests/test_modeling.py), with one pass instead of two, no key-value copies and no padded
+    response positions; the rounding depends on which rows are packed together (the sequences
+    are padded to the longest), which in bf16 is ~1e-3.
 
     None where it does not apply: a model not in `PACKABLE_LMS` (or with attention other than
     SDPA or eager, or a sliding window shorter than a packed sequence, or without
     `logits_to_keep`), ZeRO-3 (ranks would pass different shapes), rows that share no prompt, an
     empty prompt or no response token at all, or packed sequences whose mask would be larger
-    than `PACKED_MASK_ELEMENTS`. The model is called as it is (a DeepSpeed engine's forward runs)."""
+    than `PACKED_MASK_ELEMENTS`."""
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
     if (
@@ -198,17 +273,7 @@ def _packed_response_logits(
     allowed |= torch.eye(L, dtype=torch.bool, device=device)  # padding attends to itself (no empty softmax row)
     dtype = module.get_input_embeddings().weight.dtype
     mask = torch.zeros(D, 1, L, L, dtype=dtype, device=device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    first = min(prompt_lengths) - 1  # the first position whose logits are read: a shortest prompt's last
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=L - first)
-    logits = out.logits.float()  # [D, K, V]
-    later = at["out_t"] > 0  # the tokens after a row's first: each predicted from its own position
-    pick = (at["out_seq"][later], at["out_col"][later] - first)
-    where = (at["out_row"][later], at["out_t"][later])
-    predicted = torch.zeros(logits.shape[:2], dtype=torch.long, device=device).index_put_(pick, inputs["response_ids"][where])
-    opening = ~later
-    first_at = (at["out_seq"][opening], at["out_col"][opening] - first)
-    logits = logits if temperature == 1.0 else logits / temperature
-    return logits, predicted, (pick, where), (first_at, at["out_row"][opening])
+    return _Packed(ids, positions, mask, at, first=min(prompt_lengths) - 1)
 
 
 def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:

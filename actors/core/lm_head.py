@@ -1,0 +1,109 @@
+"""The LM head and the log-probs of the tokens it predicts, in one pass over the vocabulary, a
+chunk of it at a time.
+
+A learner reads one number per response position of the `[R, V]` logits: the log-prob of the token
+sampled there (and, as a metric, the distribution's entropy). Made whole, the logits and their
+gradient are tensors far larger than the cache (SmolLM2: `V` = 49,152, 112 MB for a 32-sample
+minibatch's ~580 response positions), and the weight gradient's product takes that gradient
+transposed, one more copy as large (actors/core/onednn.py). Here the head's product runs over
+`CHUNK` vocabulary rows at a time, and each chunk's log-sum-exp (and entropy term) is taken while
+its logits are still in cache; the backward turns each chunk into its gradient in place
+(`-g * softmax`) and multiplies it at once, so only a chunk is ever transposed. In-process, on
+SmolLM2's head over 580 rows (2 threads), the head, the log-probs and their backward went from
+~405-470 ms to ~320-350 ms, the products being ~210 ms of it.
+
+The results are those of `log_softmax` then `gather` over the whole head's logits, to float
+rounding (tests/test_lm_head.py); the chosen token's logit is read off its chunk's product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from actors.core.onednn import OneDnnLinear, matmul_t
+
+CHUNK = 2048  # vocabulary rows per product: 1,024-3,072 timed alike on SmolLM2 (4,096 and up slower)
+
+Product = Callable[[Tensor, Tensor], Tensor]  # (x [m, k], w [n, k]) -> x w^T [m, n]
+
+
+def fuses(head: nn.Module) -> bool:
+    """Whether `head` is a plain float32 linear map without bias (what `token_logprobs` computes)."""
+    return isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype == torch.float32
+
+
+def token_logprobs(
+    hidden: Tensor, head: nn.Linear, token_ids: Tensor, with_entropy: bool = False, chunk: int = CHUNK
+) -> tuple[Tensor, Tensor | None]:
+    """The log-prob of each token `[R]` under the full softmax of `head(hidden)`, for `hidden`
+    `[R, d]` (already divided by any sampling temperature) and `token_ids` `[R]`, with gradients
+    for `hidden` and the head's weight; and (`with_entropy`) each softmax's entropy `[R]`, a value
+    without a gradient (None otherwise). `head` must pass `fuses`."""
+    if not fuses(head):
+        raise ValueError(f"the fused LM head takes a float32 nn.Linear without bias, not {head!r}")
+    product = matmul_t if isinstance(head, OneDnnLinear) and hidden.device.type == "cpu" else _mm_t
+    logp, entropy = _HeadLogprobs.apply(hidden, head.weight, token_ids, with_entropy, product, chunk)
+    return logp, entropy if with_entropy else None
+
+
+def _mm_t(x: Tensor, w: Tensor) -> Tensor:
+    return x @ w.t()
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """`token_logprobs`' forward and backward. The logits of each chunk are kept for the backward,
+    which overwrites them with their gradient: one backward per graph (`once_differentiable`; a
+    second raises)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, token_ids: Tensor, with_entropy: bool, product: Product, chunk: int):
+        keep = any(ctx.needs_input_grad[:2])
+        chunks, lses, dots = [], [], []
+        chosen = hidden.new_empty(len(token_ids))  # [R]: the chosen token's logit, read off its chunk
+        rows = torch.arange(len(token_ids), device=hidden.device)
+        for start in range(0, weight.shape[0], chunk):
+            logits = product(hidden, weight[start : start + chunk])  # [R, c]
+            lse = torch.logsumexp(logits, dim=1)  # [R]
+            if with_entropy:  # sum over the chunk of softmax_c * logits, combined across chunks below
+                dots.append(torch.einsum("rv,rv->r", torch.exp(logits - lse[:, None]), logits))
+            inside = (token_ids >= start) & (token_ids < start + logits.shape[1])
+            chosen[inside] = logits[rows[inside], token_ids[inside] - start]
+            lses.append(lse)
+            if keep:
+                chunks.append(logits)
+        per_chunk = torch.stack(lses, dim=1)  # [R, chunks]
+        lse = torch.logsumexp(per_chunk, dim=1)  # [R]
+        entropy = hidden.new_empty(0)
+        if with_entropy:  # H = lse - sum_v p_v z_v, each chunk's sum weighted by its share exp(lse_c - lse)
+            entropy = lse - (torch.exp(per_chunk - lse[:, None]) * torch.stack(dots, dim=1)).sum(dim=1)
+        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, token_ids, lse)
+        ctx.chunks, ctx.product, ctx.chunk = chunks, product, chunk
+        return chosen - lse, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
+        hidden, weight, token_ids, lse = ctx.saved_tensors
+        if ctx.chunks is None:
+            raise RuntimeError("the fused LM head's backward ran twice: its saved logits were overwritten by the first")
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+        # d logp / d z = onehot(token) - softmax: the onehot part first, the softmax's chunk by chunk
+        d_hidden = grad[:, None] * weight[token_ids] if wants_hidden else None  # [R, d]
+        d_weight = torch.empty_like(weight) if wants_weight else None  # [V, d]
+        hidden_t, minus = hidden.t(), -grad[:, None]
+        for i, logits in enumerate(ctx.chunks):
+            start = i * ctx.chunk
+            d_logits = logits.sub_(lse[:, None]).exp_().mul_(minus)  # [R, c], in place: -g * softmax
+            if wants_hidden:
+                d_hidden += ctx.product(d_logits, weight[start : start + logits.shape[1]].t())  # [R, c] x [c, d]
+            if wants_weight:
+                d_weight[start : start + logits.shape[1]] = ctx.product(d_logits.t().contiguous(), hidden_t)  # [c, R] x [R, d]
+        ctx.chunks = None
+        if wants_weight:
+            d_weight.index_add_(0, token_ids, grad[:, None] * hidden)
+        return d_hidden, d_weight, None, None, None, None
