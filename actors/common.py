@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import time
@@ -34,6 +35,31 @@ def limit_threads(cpus: float) -> None:
     import torch  # here, not at the top: serve/ imports cpu_shortfall from this module without torch
 
     torch.set_num_threads(threads_for(cpus))
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_ALLOCATION_LIMIT = 1 << 30  # bytes: smaller arrays come from the heap, not each from a fresh mmap
+KEPT_FREE_HEAP = (1 << 31) - 1  # bytes of free heap top kept for the next allocations (mallopt takes an int)
+
+
+def reuse_freed_memory() -> bool:
+    """Let this process's malloc hand a freed tensor's memory to the next allocation instead of
+    giving it back to the system. By default glibc maps each array over a threshold (128 KB,
+    rising to at most 32 MB as such arrays are freed) with its own mmap and unmaps it when freed,
+    and returns the heap's free top beyond twice that: an update, which allocates and frees the
+    same large activations and gradients at every minibatch, then faults every page of them in
+    again, zeroed by the kernel. In-process, a 32-row SmolLM2 update (2 threads, this checkout)
+    took 1.90-1.95 s this way against 2.18-2.20 s by default, two runs each.
+
+    For a learner's own process only, which holds its peak memory anyway (the heap keeps up to
+    `KEPT_FREE_HEAP` of it between updates): it changes every allocation of the process. Returns
+    whether it applied (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS): their allocators have neither setting
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_ALLOCATION_LIMIT)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_HEAP))
 
 
 def threads_for(cpus: float) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import ray
 import torch
 
-from actors.common import Fetched, Restartable, limit_threads, on_this_node
+from actors.common import Fetched, Restartable, limit_threads, on_this_node, reuse_freed_memory
 from actors.core.learner import Learner, LearnerSpec
 from actors.group import ActorGroup
 from actors.placement import Bundle, Placement
@@ -24,6 +24,7 @@ class LearnerActor(Restartable):
         """`threads`: torch's threads; `idle_threads` (if more): those of an update once the
         engines beside it are idle (`train_step`'s `beside`)."""
         limit_threads(threads)
+        reuse_freed_memory()  # this process is the learner's: its updates reuse freed arrays (actors/common.py)
         self.threads = torch.get_num_threads()
         self.idle_threads = max(self.threads, idle_threads)
         self.learner: Learner | None = None

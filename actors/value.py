@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.common import Fetched, Restartable, checkpoint_to_restore, limit_threads, on_this_node
+from actors.common import Fetched, Restartable, checkpoint_to_restore, limit_threads, on_this_node, reuse_freed_memory
 from actors.core.critic import Critic
 from actors.core.minibatch import joined
 from pipelines.data.storage import join, reading, writing
@@ -19,6 +19,7 @@ class ValueActor(Restartable):
         """`restore_root`: the run's checkpoints; restarted after its process died, the critic
         comes back from the newest whole one (its updates since then are lost)."""
         limit_threads(threads)
+        reuse_freed_memory()  # this process is the critic's: its updates reuse freed arrays (actors/common.py)
         self.critic = Critic(model_dir, lr=lr, grad_clip=grad_clip, clip=clip, seed=seed)
         if checkpoint := checkpoint_to_restore(restore_root):
             self.load(join(checkpoint, "critic"))

@@ -345,3 +345,49 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
     assert shares_prompts(learner.engine) and not shares_prompts(sharded.engine)
     assert not any(isinstance(m, OneDnnLinear) for m in sharded.model.modules())  # ZeRO-3 keeps torch's linear
     assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3
+
+
+FREED_MEMORY_PROBE = """
+import ctypes, sys
+import torch
+from actors.common import reuse_freed_memory
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "reuse":
+    assert reuse_freed_memory()
+before = libc.mallinfo2()
+x = torch.ones(64 << 20, dtype=torch.uint8)
+during = libc.mallinfo2()
+del x
+after = libc.mallinfo2()
+print(during.hblkhd - before.hblkhd, after.fordblks - before.fordblks)
+"""
+
+
+@pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's malloc settings")
+def test_a_learners_process_keeps_a_freed_array_for_the_next_instead_of_unmapping_it():
+    """`reuse_freed_memory` (which a learner's and a critic's actor call: it changes every
+    allocation of their process, so here in a process of its own): a 64 MB array comes from the
+    heap, and once freed stays there, free, for the next allocation; by default it has a mapping
+    of its own, unmapped when freed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def mapped_and_kept(mode: str) -> list[int]:
+        out = subprocess.run(
+            [sys.executable, "-c", FREED_MEMORY_PROBE, mode], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent.parent, timeout=120,
+        )  # fmt: skip
+        return [int(v) for v in out.stdout.split()]
+
+    size = 64 << 20
+    mapped, kept = mapped_and_kept("default")
+    assert mapped >= size and kept < size
+    mapped, kept = mapped_and_kept("reuse")
+    assert mapped == 0 and kept >= size
