@@ -205,10 +205,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--config", help="also run this config file (e.g. examples/smollm2/grpo.yaml)")
     parser.add_argument("--runs", nargs="*", choices=sorted(RUNS), default=list(RUNS), help="which built-in runs")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE",
+        help="overrides for the --config run (training.minibatch_size=32: one optimizer step per batch, as bench/compare_trl.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     runs = {name: RUNS[name] for name in args.runs}
     if args.config:
-        runs[Path(args.config).parent.name + "/" + Path(args.config).stem] = (Path(args.config), [])
+        runs[Path(args.config).parent.name + "/" + Path(args.config).stem] = (Path(args.config), args.set)
+    elif args.set:
+        parser.error("--set applies to the --config run: name one")
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     results, speed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
