@@ -52,9 +52,13 @@ def reuse_freed_memory() -> bool:
     again, zeroed by the kernel. In-process, a 32-row SmolLM2 update (2 threads, this checkout)
     took 1.90-1.95 s this way against 2.18-2.20 s by default, two runs each.
 
-    For a learner's own process only, which holds its peak memory anyway (the heap keeps up to
-    `KEPT_FREE_HEAP` of it between updates): it changes every allocation of the process. Returns
-    whether it applied (glibc only)."""
+    For a learner's own process only (a Ray actor's, whose tasks run on its main thread, so on
+    glibc's main heap): it changes every allocation of the process. The process then holds on to
+    its largest update's memory: the free top of the heap is returned only beyond
+    `KEPT_FREE_HEAP`, and free blocks below a live one stay, so a spike (a batch of long
+    responses) stays in its resident memory. Over 30 SmolLM2 updates of varied lengths the peak
+    was 3.99 GiB against 3.93 by default. Returns whether it applied (glibc only; an older glibc
+    that refuses a threshold this high keeps its defaults)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (musl, macOS): their allocators have neither setting

@@ -347,47 +347,34 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
     assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3
 
 
-FREED_MEMORY_PROBE = """
-import ctypes, sys
-import torch
-from actors.common import reuse_freed_memory
+def test_the_learner_takes_the_fused_head_where_it_applies_with_the_logits_paths_numbers(learner, monkeypatch):
+    """`_policy` under untruncated sampling and no entropy gradient goes through the fused LM head
+    (rows that share a prompt pack); its log-probs, entropies and gradients are those of the
+    logits path (`along_response`), which a truncated sampling or an entropy loss still takes."""
+    from actors.core import learner as learner_module
+    from actors.core.modeling import sequence_tensors
 
-class Info(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    inputs = sequence_tensors(_batch(), np.arange(8))
+    fused_calls = []
+    fused = learner_module.packed_token_logprobs
+    monkeypatch.setattr(learner_module, "packed_token_logprobs", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
 
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
-if sys.argv[1] == "reuse":
-    assert reuse_freed_memory()
-before = libc.mallinfo2()
-x = torch.ones(64 << 20, dtype=torch.uint8)
-during = libc.mallinfo2()
-del x
-after = libc.mallinfo2()
-print(during.hblkhd - before.hblkhd, after.fordblks - before.fordblks)
-"""
+    def policy_and_grads(entropy_grad=False):
+        learner.engine.zero_grad()
+        logp, full, entropy = learner._policy(inputs, entropy_grad=entropy_grad)
+        learner.engine.backward((logp * inputs["response_mask"]).sum())  # through its hooks, as an update
+        return logp, full, entropy, [p.grad.clone() for p in learner.model.parameters()]
 
-
-@pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's malloc settings")
-def test_a_learners_process_keeps_a_freed_array_for_the_next_instead_of_unmapping_it():
-    """`reuse_freed_memory` (which a learner's and a critic's actor call: it changes every
-    allocation of their process, so here in a process of its own): a 64 MB array comes from the
-    heap, and once freed stays there, free, for the next allocation; by default it has a mapping
-    of its own, unmapped when freed."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    def mapped_and_kept(mode: str) -> list[int]:
-        out = subprocess.run(
-            [sys.executable, "-c", FREED_MEMORY_PROBE, mode], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent.parent, timeout=120,
-        )  # fmt: skip
-        return [int(v) for v in out.stdout.split()]
-
-    size = 64 << 20
-    mapped, kept = mapped_and_kept("default")
-    assert mapped >= size and kept < size
-    mapped, kept = mapped_and_kept("reuse")
-    assert mapped == 0 and kept >= size
+    got = policy_and_grads()
+    assert fused_calls == [1] and got[0] is got[1]
+    policy_and_grads(entropy_grad=True)  # an entropy with a gradient needs the logits
+    assert fused_calls == [1]
+    monkeypatch.setattr(learner_module, "packed_token_logprobs", lambda *a, **k: None)
+    want = policy_and_grads()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    # the entropy, a metric, is lse - sum p z: exact to a few float32 ulps of the largest logit (~20 here), not of itself
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=2e-5)
+    for g, w in zip(got[3], want[3], strict=True):  # float32 sums in other orders: to 1e-4 of each gradient's largest
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+    learner.engine.zero_grad()

@@ -92,3 +92,36 @@ def test_a_second_backward_and_an_unfit_head_are_refused():
     assert not lm_head.fuses(nn.Linear(D, V)) and not lm_head.fuses(nn.Linear(D, V, bias=False).bfloat16())
     with pytest.raises(ValueError, match="float32 nn.Linear without bias"):
         lm_head.token_logprobs(hidden, nn.Linear(D, V), torch.zeros(R, dtype=torch.long))
+
+
+def test_without_a_graph_no_chunk_is_kept_and_bad_ids_or_no_rows_are_answered(monkeypatch):
+    """Under `no_grad` (a reference model's or the proximal log-probs, whose weights still require
+    gradients) each chunk's logits are freed before the next product, where a graph keeps them
+    all for its backward; ids outside the vocabulary raise instead of reading memory nobody wrote;
+    no rows give empty results."""
+    import weakref
+
+    head = _head("torch")
+    made: list[weakref.ref] = []
+    alive_at_each_product: list[int] = []
+
+    def product(x, w):
+        alive_at_each_product.append(sum(ref() is not None for ref in made))
+        out = x @ w.t()
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(lm_head, "_mm_t", product)
+    hidden, ids = torch.randn(R, D), torch.arange(R)
+    with torch.no_grad():
+        lm_head.token_logprobs(hidden, head, ids, chunk=7)  # no entropy: what is kept is the product itself
+    assert len(alive_at_each_product) == 8 and max(alive_at_each_product) <= 1  # 50 / 7: 8 chunks
+    made.clear(), alive_at_each_product.clear()
+    logp, _ = lm_head.token_logprobs(hidden, head, ids, chunk=7)
+    assert alive_at_each_product == list(range(8))  # kept for the backward
+    del logp
+    for bad in (torch.tensor([0, V]), torch.tensor([-1, 3])):
+        with pytest.raises(ValueError, match="outside the head's vocabulary of 50"):
+            lm_head.token_logprobs(hidden[:2], head, bad)
+    logp, entropy = lm_head.token_logprobs(hidden[:0].requires_grad_(), head, ids[:0], with_entropy=True)
+    assert logp.shape == entropy.shape == (0,)

@@ -297,8 +297,10 @@ def test_the_fused_head_gives_the_packed_logits_log_probs_entropies_and_gradient
     config = LlamaConfig(**{**model.config.to_dict(), "attn_implementation": attention, "tie_word_embeddings": tied})
     packable = LlamaForCausalLM(config).eval()
     assert (packable.lm_head.weight is packable.model.embed_tokens.weight) is tied
-    if product == "oneDNN" and not use_onednn(packable):
-        pytest.skip("this torch has no oneDNN linear op (or RAYPO_ONEDNN=0)")
+    if product == "oneDNN":
+        switched = use_onednn(packable)
+        if not switched:
+            pytest.skip("this torch has no oneDNN linear op (or RAYPO_ONEDNN=0)")
     inputs = _three_prompts(3)
     mask = inputs["response_mask"].float()
     weights = torch.from_numpy(np.random.default_rng(6).standard_normal((8, 3))).float() * mask

@@ -48,8 +48,15 @@ def token_logprobs(
     without a gradient (None otherwise). `head` must pass `fuses`."""
     if not fuses(head):
         raise ValueError(f"the fused LM head takes a float32 nn.Linear without bias, not {head!r}")
+    if not len(token_ids):  # nothing to score (oneDNN's product takes no empty input): [0] each
+        return hidden.sum(dim=1) * 0, hidden.new_zeros(0) if with_entropy else None
+    low, high, vocabulary = int(token_ids.min()), int(token_ids.max()), head.weight.shape[0]
+    if low < 0 or high >= vocabulary:
+        raise ValueError(f"token ids {low}..{high} outside the head's vocabulary of {vocabulary}")
     product = matmul_t if isinstance(head, OneDnnLinear) and hidden.device.type == "cpu" else _mm_t
-    logp, entropy = _HeadLogprobs.apply(hidden, head.weight, token_ids, with_entropy, product, chunk)
+    # A Function's forward cannot tell grad mode: without a graph it keeps nothing for a backward
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    logp, entropy = _HeadLogprobs.apply(hidden, head.weight, token_ids, with_entropy, keep, product, chunk)
     return logp, entropy if with_entropy else None
 
 
@@ -63,8 +70,9 @@ class _HeadLogprobs(torch.autograd.Function):
     backward per graph (`once_differentiable`; a second raises)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, token_ids: Tensor, with_entropy: bool, product: Product, chunk: int):
-        keep = any(ctx.needs_input_grad[:2])
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, token_ids: Tensor, with_entropy: bool, keep: bool, product: Product, chunk: int
+    ):
         kept, tops, lses, dots = [], [], [], []
         chosen = hidden.new_empty(len(token_ids))  # [R]: the chosen token's logit, read off its chunk
         rows = torch.arange(len(token_ids), device=hidden.device)
@@ -103,10 +111,10 @@ class _HeadLogprobs(torch.autograd.Function):
         # d logp / d z = onehot(token) - softmax: the onehot part first, the softmax's chunk by chunk
         d_hidden = grad[:, None] * weight[token_ids] if wants_hidden else None  # [R, d]
         d_weight = torch.empty_like(weight) if wants_weight else None  # [V, d]
-        hidden_t, minus = hidden.t(), -grad[:, None] * shares  # [R, chunks]
+        hidden_t, scale = hidden.t(), -grad[:, None] * shares  # [R, chunks]
         for i, scaled in enumerate(ctx.kept):
             start, end = i * ctx.chunk, i * ctx.chunk + scaled.shape[1]
-            d_logits = scaled.mul_(minus[:, i : i + 1])  # [R, c], in place: -g * softmax
+            d_logits = scaled.mul_(scale[:, i : i + 1])  # [R, c], in place: -g * softmax
             if wants_hidden:
                 d_hidden += ctx.product(d_logits, weight[start:end].t())  # [R, c] x [c, d]
             if wants_weight:
@@ -114,4 +122,4 @@ class _HeadLogprobs(torch.autograd.Function):
         ctx.kept = None
         if wants_weight:
             d_weight.index_add_(0, token_ids, grad[:, None] * hidden)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None

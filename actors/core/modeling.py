@@ -187,7 +187,7 @@ def packed_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`[n, T]` each (0 at padding): each response token's log-prob under the model's full softmax
     at `temperature`, and (`with_entropy`) that softmax's entropy, a value without a gradient. The
-    rows packed as `_packed_sequences` says and run through the model's decoder in one pass; its
+    rows packed as `_packed_sequences` says and run through the model in one pass; its
     last hidden state at the positions that predict a response token goes through the LM head
     and the log-probs together, a chunk of the vocabulary at a time (actors/core/lm_head.py), so
     no `[R, V]` logits or gradient are ever whole. The numbers of `along_response` with
@@ -199,11 +199,20 @@ def packed_token_logprobs(
     packed = _packed_sequences(model, inputs) if lm_head.fuses(head) else None
     if packed is None:
         return None
-    # the decoder, not the causal LM: its last hidden state (after the final norm) is what Llama,
-    # Mistral, Qwen2 and Qwen3 (`PACKABLE_LMS`) hand their LM head, unscaled
-    out = module.get_decoder()(input_ids=packed.ids, attention_mask=packed.mask, position_ids=packed.positions, use_cache=False)
+    # The model as it is called elsewhere (a DeepSpeed engine's forward runs, with its backward
+    # hooks), its LM head at no position: the last hidden state (after the final norm) is what
+    # Llama, Mistral, Qwen2 and Qwen3 (`PACKABLE_LMS`) hand their head, unscaled.
+    nowhere = torch.empty(0, dtype=torch.long, device=packed.ids.device)
+    out = model(
+        input_ids=packed.ids,
+        attention_mask=packed.mask,
+        position_ids=packed.positions,
+        use_cache=False,
+        logits_to_keep=nowhere,
+        output_hidden_states=True,
+    )
     at = packed.at
-    hidden = out.last_hidden_state[at["out_seq"], at["out_col"]]  # [D, L, d] -> [R, d]: the position predicting each token
+    hidden = out.hidden_states[-1][at["out_seq"], at["out_col"]]  # [D, L, d] -> [R, d]: the position predicting each token
     hidden = hidden if temperature == 1.0 else hidden / temperature
     where = (at["out_row"], at["out_t"])  # each of those tokens in [n, T]
     logp, entropy = lm_head.token_logprobs(hidden, head, inputs["response_ids"][where], with_entropy)  # [R] each
@@ -277,7 +286,7 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
 
 
 def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:
-    """Where everything goes in `_packed_response_logits`'s sequences, one per distinct prompt `d`
+    """Where everything goes in the sequences of `_packed_sequences`, one per distinct prompt `d`
     (its `prompt_lengths[d]` real tokens, the last of the rows' left-padded prompts of width P), the rows
     `r` in order (`row_prompt[r]`: its prompt; `response_lengths[r]` real response tokens):
 

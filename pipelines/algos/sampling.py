@@ -100,6 +100,17 @@ def sampled_log_softmax(logits: Tensor, spec: SamplingSpec, token_ids: Tensor | 
     return torch.log_softmax(logits, dim=-1), removed
 
 
+def needs_logits(spec: SamplingSpec, entropy_grad: bool) -> bool:
+    """Whether `token_logprobs_and_entropy` needs the whole `[..., V]` logits: a truncated sampling
+    distribution, or an entropy with a gradient (a loss term). Otherwise the log-probs are the
+    full softmax's and the entropy only a value, which a fused LM head computes without them.
+
+    >>> needs_logits(SamplingSpec(), entropy_grad=False), needs_logits(SamplingSpec(top_k=5), entropy_grad=False)
+    (False, True)
+    """
+    return spec.truncates or (entropy_grad and torch.is_grad_enabled())
+
+
 def token_logprobs_and_entropy(
     logits: Tensor, token_ids: Tensor, spec: SamplingSpec, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -115,7 +126,7 @@ def token_logprobs_and_entropy(
     >>> round(logp.exp().item(), 4), round(full.exp().item(), 4), round(entropy.item(), 4)  # 0.3 / 0.8 over {0, 1}
     (0.375, 0.3, 0.6616)
     """
-    if not spec.truncates and not (entropy_grad and torch.is_grad_enabled()):
+    if not needs_logits(spec, entropy_grad):
         # untruncated, the sampling distribution is the full softmax
         token_logp, entropy = token_logprobs(logits, token_ids, with_entropy=True)
         return token_logp, token_logp, entropy
