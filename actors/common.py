@@ -50,7 +50,7 @@ def reuse_freed_memory() -> bool:
     and returns the heap's free top beyond twice that: an update, which allocates and frees the
     same large activations and gradients at every minibatch, then faults every page of them in
     again, zeroed by the kernel. In-process, a 32-row SmolLM2 update (2 threads, this checkout)
-    took 1.90-1.95 s this way against 2.18-2.20 s by default, two runs each.
+    took 1.91-1.93 s this way against 2.15-2.21 s by default, two runs each.
 
     For a learner's own process only (a Ray actor's, whose tasks run on its main thread, so on
     glibc's main heap): it changes every allocation of the process. The process then holds on to

@@ -11,8 +11,8 @@ its logits are still in cache; the backward turns each chunk into its gradient i
 (`-g * softmax`, one pass) and multiplies it at once, so only a chunk is ever transposed.
 In-process, on 2 threads: SmolLM2's head with its log-probs and their backward over 570 rows
 takes ~290-300 ms, the products ~210 ms of it (the whole head and `token_logprobs`: ~405-470
-ms), and a 32-row SmolLM2 update (4 prompts x 8 responses) got 1.088x faster (12 paired updates
-against the whole logits, this checkout, native kernels). The tiny model's update did not move
+ms), and a 32-row SmolLM2 update (4 prompts x 8 responses) got 1.079-1.088x faster (two runs
+of 10-12 paired updates against the whole logits, this checkout, native kernels). The tiny model's update did not move
 (0.992, noise): its vocabulary is one chunk.
 
 The results are those of `log_softmax` then `gather` over the whole head's logits, to float
