@@ -177,9 +177,10 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
         packed = _log_probs(packable, inputs, temperature)
     finally:
         hook.remove()
-    # one pass over 3 sequences, each a prompt and its responses but for their last tokens, padded to
-    # the longest: 2 + (2 + 1 + 2 + 0), 4 + (0 + 2 + 0), 3 + 1 tokens; the prompts alone when T is 1
-    assert passes == [(3, 7 if T == 3 else 4)]
+    # one pass over one row of 3 sequences, each a prompt and its responses but for their last tokens,
+    # no padding: 2 + (2 + 1 + 2 + 0), 4 + (0 + 2 + 0), 3 + 1 tokens; the prompts alone (2 + 4 + 3) when T is 1
+    assert passes == [(1, 17 if T == 3 else 9)]
+    assert packable.config._attn_implementation == attention  # the packed attention was the pass's only
     two_passes = _log_probs(renamed, inputs, temperature)
     full = packable(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
     expected = torch.log_softmax(full.logits[:, 3 : 3 + T] / temperature, dim=-1)  # prompt width 4
@@ -196,9 +197,10 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
 
 
 def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch):
-    """No packing (None: the two passes run) when the mask would be too large, under a sliding
-    window shorter than a packed sequence, with no response token at all; packing where the window
-    is long enough."""
+    """No packing (None: the two passes run) when the masks would be too large, under a sliding
+    window shorter than a packed sequence, with no response token at all, under gradient
+    checkpointing with a graph (its backward would run the attention outside the packed pass's);
+    packing where the window is long enough, and under checkpointing without a graph."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from actors.core import modeling
@@ -208,7 +210,7 @@ def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch)
     empty = {**inputs, "response_mask": torch.zeros_like(inputs["response_mask"])}
     assert modeling._packed_response_logits(model, empty, 1.0) is None
     small = {k: v for k, v in model.config.to_dict().items() if k in ("vocab_size", "hidden_size", "intermediate_size")}
-    for window, packs in [(4, False), (64, True)]:
+    for window, packs in [(6, False), (7, True), (64, True)]:  # the longest sequence is 7 tokens (the row, 17)
         qwen = Qwen2ForCausalLM(
             Qwen2Config(
                 **small,
@@ -220,7 +222,14 @@ def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch)
             )
         )
         assert (modeling._packed_response_logits(qwen, inputs, 1.0) is not None) is packs
-    monkeypatch.setattr(modeling, "PACKED_MASK_ELEMENTS", 3 * 7 * 7 - 1)
+    checkpointing = LlamaForCausalLM(model.config)
+    checkpointing.gradient_checkpointing_enable()
+    assert modeling._packed_response_logits(checkpointing, inputs, 1.0) is None
+    with torch.no_grad():
+        assert modeling._packed_response_logits(checkpointing, inputs, 1.0) is not None
+    monkeypatch.setattr(modeling, "PACKED_MASK_ELEMENTS", 7 * 7 + 6 * 6 + 4 * 4)  # the three sequences' masks
+    assert modeling._packed_response_logits(model, inputs, 1.0) is not None
+    monkeypatch.setattr(modeling, "PACKED_MASK_ELEMENTS", 7 * 7 + 6 * 6 + 4 * 4 - 1)
     assert modeling._packed_response_logits(model, inputs, 1.0) is None
 
 

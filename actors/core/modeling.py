@@ -6,6 +6,7 @@ through a causal LM the same way; this module is that one way, so none depends o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from transformers import AttentionInterface
 
 from actors.core import lm_head
 from actors.core.minibatch import scored_tokens
@@ -95,16 +98,15 @@ def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, p
     """`per_part(logits [n, t, V], response ids [n, t])`, a tuple of `[n, t]` tensors, run on each
     piece of `response_logit_parts` and joined along T into `[n, T]` tensors; or, where the rows'
     prompts can be packed with their responses (`_packed_response_logits`), run on the packed
-    sequences' logits `[D, K, V]` and the response token each position predicts `[D, K]`, and on
-    the logits that predict each row's first response token (at its prompt's last position, one
-    for every row of the prompt) `[F, V]` and those tokens `[F]`; the results at the response
-    tokens put in place in `[n, T]` tensors (0 at padding). The packed logits are not gathered
-    into `[R, V]` first: that copy, and its backward (a zero `[D, K, V]` gradient the rows are
-    scattered into, added to the other), took ~5% of a SmolLM2 update. `per_part` then also runs
-    where nothing is read (padding to the longest sequence, the columns of longer prompts after
-    the shortest's last): D x K positions against R, ~1.0 for prompts of one length, more where
-    their lengths differ widely (~2 for prompts of 40 and 400 tokens); its results there are
-    finite and their gradient is 0."""
+    sequences' logits `[1, K, V]` (the K positions that predict a response token) and the
+    response token each predicts `[1, K]`, and on the logits that predict each row's first
+    response token (at its prompt's last position, one for every row of the prompt) `[F, V]` and
+    those tokens `[F]`; the results at the response tokens put in place in `[n, T]` tensors (0 at
+    padding). The packed logits are not gathered into `[R, V]` first: that copy, and its backward
+    (a zero `[1, K, V]` gradient the rows are scattered into, added to the other), took ~5% of a
+    SmolLM2 update. `per_part` then also runs at the prompts' last positions, whose results there
+    are not read (their gradient is 0): K is R less the rows' first tokens plus the distinct
+    prompts."""
     ids, done, results = inputs["response_ids"], 0, []
     packed = _packed_response_logits(model, inputs, temperature)
     if packed is not None:
@@ -123,10 +125,11 @@ def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, p
     return tuple(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*results, strict=True))
 
 
-# Causal LMs whose attention takes a custom 4D mask as it is, for SDPA and eager attention
-# (transformers 5.19's code for each; sliding windows are checked per config).
+# Causal LMs that hand a 4D attention mask and extra keyword arguments to their attention function
+# as they are, and look that function up by `config._attn_implementation` at each call
+# (transformers 5.19's code for each; sliding windows are checked per config): `_packed_attention`.
 PACKABLE_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-PACKED_MASK_ELEMENTS = 1 << 22  # the most [sequences, L, L] attention-mask entries a packed pass builds (16 MB float32)
+PACKED_MASK_ELEMENTS = 1 << 22  # the most attention-mask entries (the sum of each packed sequence's [l, l]) a packed pass builds
 
 
 class _WithRows(torch.autograd.Function):
@@ -151,33 +154,31 @@ def _packed_response_logits(
     model, inputs: dict[str, torch.Tensor], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple, tuple], tuple[tuple, torch.Tensor]] | None:
     """The rows packed (`_packed_sequences`) and run through the model in one forward pass.
-    Returns the logits `[D, K, V]` (divided by `temperature`) of the packed positions from the
-    first that predicts a response token (the LM head runs there only); the response token each
-    of those positions predicts `[D, K]` (0 where none, and at the prompts' last positions); for
-    the other response tokens, row by row, the `(sequences, columns)` in `[D, K]` of the positions
-    that predict them and their `(rows, columns)` in `[n, T]`; and for each row with a response,
-    the `(sequence, column)` in `[D, K]` of its prompt's last position, which predicts its first
-    token, and the row. None where the rows do not pack."""
+    Returns the logits `[1, K, V]` (divided by `temperature`) of the K packed positions that
+    predict a response token (the LM head runs there only), in order; the response token each
+    of those positions predicts `[1, K]` (0 at the prompts' last positions); for the other
+    response tokens, row by row, the `(0, k)` in `[1, K]` of the positions that predict them and
+    their `(rows, columns)` in `[n, T]`; and for each row with a response, the `(0, k)` of its
+    prompt's last position, which predicts its first token, and the row. None where the rows do
+    not pack."""
     packed = _packed_sequences(model, inputs)
     if packed is None:
         return None
-    at, first = packed.at, packed.first
-    out = model(
-        input_ids=packed.ids,
-        attention_mask=packed.mask,
-        position_ids=packed.positions,
-        use_cache=False,
-        logits_to_keep=packed.ids.shape[1] - first,
-    )
-    logits = out.logits.float()  # [D, K, V]
+    at = packed.at
+    keep = torch.unique(at["out_flat"])  # sorted: the positions that predict something, once each
+    k = torch.searchsorted(keep, at["out_flat"])  # each response token's predicting position in [K]
+    with packed.attention(model):
+        out = model(**packed.model_inputs(), use_cache=False, logits_to_keep=keep)
+    logits = out.logits.float()  # [1, K, V]
     later = at["out_t"] > 0  # the tokens after a row's first: each predicted from its own position
-    pick = (at["out_seq"][later], at["out_col"][later] - first)
+    zeros = torch.zeros_like(k)
+    pick = (zeros[later], k[later])
     where = (at["out_row"][later], at["out_t"][later])
     predicted = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device).index_put_(
         pick, inputs["response_ids"][where]
     )
     opening = ~later
-    first_at = (at["out_seq"][opening], at["out_col"][opening] - first)
+    first_at = (zeros[opening], k[opening])
     logits = logits if temperature == 1.0 else logits / temperature
     return logits, predicted, (pick, where), (first_at, at["out_row"][opening])
 
@@ -203,16 +204,10 @@ def packed_token_logprobs(
     # hooks), its LM head at no position: the last hidden state (after the final norm) is what
     # Llama, Mistral, Qwen2 and Qwen3 (`PACKABLE_LMS`) hand their head, unscaled.
     nowhere = torch.empty(0, dtype=torch.long, device=packed.ids.device)
-    out = model(
-        input_ids=packed.ids,
-        attention_mask=packed.mask,
-        position_ids=packed.positions,
-        use_cache=False,
-        logits_to_keep=nowhere,
-        output_hidden_states=True,
-    )
+    with packed.attention(model):
+        out = model(**packed.model_inputs(), use_cache=False, logits_to_keep=nowhere, output_hidden_states=True)
     at = packed.at
-    hidden = out.hidden_states[-1][at["out_seq"], at["out_col"]]  # [D, L, d] -> [R, d]: the position predicting each token
+    hidden = out.hidden_states[-1][0, at["out_flat"]]  # [1, N, d] -> [R, d]: the position predicting each token
     hidden = hidden if temperature == 1.0 else hidden / temperature
     where = (at["out_row"], at["out_t"])  # each of those tokens in [n, T]
     logp, entropy = lm_head.token_logprobs(hidden, head, inputs["response_ids"][where], with_entropy)  # [R] each
@@ -223,31 +218,88 @@ def packed_token_logprobs(
     return in_place(logp), None if entropy is None else in_place(entropy)
 
 
+PACKED_ATTENTION = "raypo_packed"  # the name `_packed_attention` is registered under in transformers
+
+
 @dataclass(frozen=True)
 class _Packed:
-    """`_packed_sequences`: one sequence per distinct prompt, padded to the longest `L`."""
+    """`_packed_sequences`: the packed sequences one after another in one row of N tokens, no padding."""
 
-    ids: torch.Tensor  # [D, L]
-    positions: torch.Tensor  # [D, L]
-    mask: torch.Tensor  # [D, 1, L, L]: 0 where a position may attend, the dtype's lowest elsewhere
-    at: dict[str, torch.Tensor]  # `_packing`'s columns as tensors
-    first: int  # the first position whose logits are read: a shortest prompt's last
+    ids: torch.Tensor  # [1, N]
+    positions: torch.Tensor  # [1, N]
+    lengths: list[int]  # each sequence's tokens, in order along N
+    masks: list[torch.Tensor]  # each sequence's [1, 1, l, l] attention mask: True where a position may attend
+    at: dict[str, torch.Tensor]  # `_packing`'s columns as tensors, and `flat`, `out_flat`: their places along N
+
+    def model_inputs(self) -> dict:
+        """The model's inputs for `attention`'s pass: the row, its positions, the sequences' masks
+        (`packed_sequences`, which `_packed_attention` reads), and as `attention_mask` an empty 4D
+        tensor, which Hugging Face models hand to the attention as it is (no `[N, N]` mask is
+        built), and which any other attention would refuse at once rather than ignore."""
+        empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=self.ids.device)
+        return {
+            "input_ids": self.ids,
+            "position_ids": self.positions,
+            "attention_mask": empty,
+            "packed_sequences": (self.lengths, self.masks),
+        }
+
+    @staticmethod
+    @contextlib.contextmanager
+    def attention(model):
+        """`model`'s attention layers call `_packed_attention` while this lasts (one forward pass;
+        the backward calls no attention function, but gradient checkpointing would: see
+        `_packed_sequences`)."""
+        config = getattr(model, "module", model).config
+        before = config._attn_implementation
+        config._attn_implementation_internal = PACKED_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = before
+
+
+def _packed_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Attention over the packed sequences of one row (`_Packed.model_inputs`): each sequence's
+    queries against its own keys under its own mask, by SDPA, so neither the linear layers nor
+    the attention run over padding, and no sequence attends across another's. `query` `[1, H, N,
+    d]`, `key` and `value` `[1, KV, N, d]` (grouped heads as they come); returns `[1, N, H, d]`,
+    as transformers' attention functions do."""
+    lengths, masks = kwargs["packed_sequences"]
+    gqa = query.shape[1] != key.shape[1]
+    # Split along N in the `[1, N, heads, d]` order the projections made (the gradients then come
+    # back joined in that order, which the projections' backward reads without a copy).
+    q, k, v = (t.transpose(1, 2).split(lengths, dim=1) for t in (query, key, value))
+    out = [
+        F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in qkv), attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        ).transpose(1, 2)
+        for *qkv, mask in zip(q, k, v, masks, strict=True)
+    ]
+    return torch.cat(out, dim=1), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
 
 
 def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
-    """Each distinct prompt once, followed by every response that shares it, as one sequence of
-    one forward pass: a response attends to its prompt and to its own earlier tokens only (a 4D
-    mask), at the positions it would have after its prompt alone; padding is left out. Up to
-    float rounding the logits of one pass over each row's prompt + response
-    (tests/test_modeling.py), with one pass instead of two, no key-value copies and no padded
-    response positions; the rounding depends on which rows are packed together (the sequences
-    are padded to the longest), which in bf16 is ~1e-3.
+    """Each distinct prompt once, followed by every response that shares it, as one sequence;
+    the sequences one after another in one row, run in one forward pass: a response attends to its
+    prompt and to its own earlier tokens only (each sequence's mask, `_packed_attention`), at the
+    positions it would have after its prompt alone. No padding: the linear layers run over the
+    real tokens only (padding the sequences to the longest cost 5-30% more tokens on
+    examples/smollm2's batches). Up to float rounding the logits of one pass over each row's
+    prompt + response (tests/test_modeling.py), with one pass instead of two and no key-value
+    copies; the rounding depends on which rows are packed together, which in bf16 is ~1e-3.
 
     None where it does not apply: a model not in `PACKABLE_LMS` (or with attention other than
     SDPA or eager, or a sliding window shorter than a packed sequence, or without
-    `logits_to_keep`), ZeRO-3 (ranks would pass different shapes), rows that share no prompt, an
-    empty prompt or no response token at all, or packed sequences whose mask would be larger
-    than `PACKED_MASK_ELEMENTS`."""
+    `logits_to_keep`), ZeRO-3 (ranks would pass different shapes), gradient checkpointing with a
+    graph (its backward runs the attention again, outside `_Packed.attention`), rows that share
+    no prompt, an empty prompt or no response token at all, or sequences whose masks would have
+    more than `PACKED_MASK_ELEMENTS` entries."""
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
     if (
@@ -255,6 +307,7 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
         or getattr(config, "_attn_implementation", None) not in ("sdpa", "eager")
         or not takes_logits_to_keep(model)
         or _partitioned(model)
+        or (getattr(module, "is_gradient_checkpointing", False) and torch.is_grad_enabled())
     ):
         return None
     T = inputs["response_ids"].shape[1]
@@ -265,24 +318,26 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
         return None
     layout = _packing(P, prompt_lengths, row_prompt.tolist(), response_lengths)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    D, L = len(distinct), layout.pop("length")
-    if D * L * L > PACKED_MASK_ELEMENTS or (window is not None and L > window):
+    lengths = layout.pop("lengths")
+    if sum(n * n for n in lengths) > PACKED_MASK_ELEMENTS or (window is not None and max(lengths) > window):
         return None
     device = inputs["input_ids"].device
     at = {key: torch.tensor(value, dtype=torch.long, device=device) for key, value in layout.items()}
-    place = (at["seq"], at["col"])
-    ids = torch.zeros(D, L, dtype=torch.long, device=device).index_put_(
-        place, inputs["input_ids"][at["source_row"], at["source_col"]]
-    )
-    positions = torch.zeros(D, L, dtype=torch.long, device=device).index_put_(place, at["position"])
-    # -1: padding, 0: the prompt, r + 1: row r's response
-    segments = torch.full((D, L), -1, dtype=torch.long, device=device).index_put_(place, at["segment"])
-    q, k = segments[:, :, None], segments[:, None, :]
-    allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (q >= 0) & ((k == 0) | (k == q))
-    allowed |= torch.eye(L, dtype=torch.bool, device=device)  # padding attends to itself (no empty softmax row)
-    dtype = module.get_input_embeddings().weight.dtype
-    mask = torch.zeros(D, 1, L, L, dtype=dtype, device=device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return _Packed(ids, positions, mask, at, first=min(prompt_lengths) - 1)
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long, device=device).cumsum(dim=0)
+    at["flat"], at["out_flat"] = starts[at["seq"]] + at["col"], starts[at["out_seq"]] + at["out_col"]
+    N = sum(lengths)
+    ids = torch.zeros(1, N, dtype=torch.long, device=device)
+    ids[0, at["flat"]] = inputs["input_ids"][at["source_row"], at["source_col"]]
+    positions = torch.zeros(1, N, dtype=torch.long, device=device)
+    positions[0, at["flat"]] = at["position"]
+    segments = torch.zeros(N, dtype=torch.long, device=device)
+    segments[at["flat"]] = at["segment"]  # 0: a prompt, r + 1: row r's response
+    masks = []
+    for segment in segments.split(lengths):
+        q, k = segment[:, None], segment[None, :]
+        causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=device).tril()
+        masks.append((causal & ((k == 0) | (k == q)))[None, None])
+    return _Packed(ids, positions, lengths, masks, at)
 
 
 def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:
@@ -296,13 +351,13 @@ def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_
       out; a response of one token has no segment.
     - `out_seq`, `out_col`: the packed positions whose logits predict the response tokens, row
       by row: the prompt's last position (token 0), then the row's segment; `out_row`, `out_t`:
-      the token each predicts in `[n, T]`. `length`: the longest sequence.
+      the token each predicts in `[n, T]`. `lengths`: each sequence's tokens.
 
     >>> lay = _packing(3, [2], [0, 0], [2, 1])  # one prompt of 2 tokens (1 pad); responses of 2 and 1 tokens
     >>> lay["seq"], lay["col"], lay["segment"], lay["position"], lay["source_row"], lay["source_col"]
     ([0, 0, 0], [0, 1, 2], [0, 0, 1], [0, 1, 2], [0, 0, 0], [1, 2, 3])
-    >>> lay["out_col"], lay["out_row"], lay["out_t"], lay["length"]
-    ([1, 2, 1], [0, 0, 1], [0, 1, 0], 3)
+    >>> lay["out_col"], lay["out_row"], lay["out_t"], lay["lengths"]
+    ([1, 2, 1], [0, 0, 1], [0, 1, 0], [3])
     """
     keys = ("seq", "col", "segment", "position", "source_row", "source_col", "out_seq", "out_col", "out_row", "out_t")
     out: dict = {key: [] for key in keys}
@@ -330,7 +385,7 @@ def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_
             _extend(out, out_seq=[d] * response_lengths[r], out_col=[p - 1, *range(start, start + size)],
                     out_row=[r] * response_lengths[r], out_t=range(response_lengths[r]))  # fmt: skip
         ends[d] = start + size
-    out["length"] = max(ends)
+    out["lengths"] = ends
     return out
 
 
