@@ -45,15 +45,18 @@ class LearnerActor(Restartable):
     def train_step(self, minibatches: list[ray.ObjectRef], loss: LossSpec, beside: list[ray.ObjectRef] = ()) -> dict[str, float]:
         """One policy update on the step's minibatches. `beside`: calls queued behind the work of
         the engines on this node that runs during the update (a batch sampled ahead); once all are
-        done the update takes `idle_threads`, between two of the model's layers."""
+        done the update takes `idle_threads`, between two of the model's layers. Its metrics add
+        `time_update`, the seconds this call took in the actor (its fetches included): the learn
+        phase less the driver's and Ray's share."""
         fetched, threads = Fetched(minibatches), Widening(beside, self.threads, self.idle_threads)
         self.learner.between_layers = threads.check
+        started = time.perf_counter()
         try:
             metrics = self.learner.train_step(fetched, loss)
         finally:
             self.learner.between_layers = lambda: None
             threads.stop()
-        return metrics | side_metrics(fetched) | {"learner_threads": threads.mean()}
+        return metrics | side_metrics(fetched) | {"learner_threads": threads.mean(), "time_update": time.perf_counter() - started}
 
     def dpo_step(self, minibatches: list[ray.ObjectRef], spec: DPOSpec) -> dict[str, float]:
         """One DPO update on the step's preference pairs."""

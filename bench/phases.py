@@ -14,7 +14,8 @@ Then the bytes each step moves between roles: the experience the buffer holds (t
 batch and its targets, put into the object store once), what the learner ranks fetch of it
 (each its own rows of each minibatch, once however many passes), and the weights each sync
 delivers to the engines; with the learners' fetch time and the sync time as shares of the step
-(a step with an evaluation beside it also waits in the sync for the evaluation's engine calls).
+(a step with an evaluation beside it also waits in the sync for the evaluation's engine calls),
+and rank 0's own update time in its actor (the learn phase less the driver's and Ray's share).
 
 Then, per run, the learner's achieved FLOP/s: the FLOPs the policy loss needs (forward and
 backward, 6 x the decoder's parameters x the real tokens, each distinct prompt counted once
@@ -237,7 +238,7 @@ def main() -> None:
     print("\nbytes moved per step (MB), and the step time it took")
     for label, key in (("experience", "buffer_bytes"), ("learner fetch", "fetch_bytes"), ("weight sync", "sync_bytes")):
         print(f"{label:<14}" + "".join(f"{mean(r, key) / 1e6:>20.2f}" for r in results.values()))
-    for label, key in (("fetch time", "time_fetch"), ("sync time", "time_sync")):
+    for label, key in (("fetch time", "time_fetch"), ("update time", "time_update"), ("sync time", "time_sync")):
         cells = [f"{mean(r, key):8.4f} s ({mean(r, key) / mean(r, 'step_time'):5.1%})" for r in results.values()]
         print(f"{label:<14}" + "".join(f"{c:>20}" for c in cells))
     print(f"\n{'learn GFLOP/s':<12}" + "".join(f"{s['achieved'] / 1e9:>22.2f}" for s in speed.values()))

@@ -163,6 +163,8 @@ def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model
     assert all(m["buffer_rows"] == 32 for m in lines)  # both actors' samples made one batch
     # the learner shares its node's threads with the critic, which trains beside it (roles.py:learner_threads)
     assert {m["learner_threads"] for m in lines} == {max(1, min(os.cpu_count() or 1, 4) // 2)}
+    # the update inside the learner's actor is most of the learn phase, which also holds Ray's calls (and the critic's)
+    assert all(0 < m["time_update"] <= m["time_learn"] for m in lines)
     # Three steps of a 3e-5 critic barely move its MSE, which follows the batch's rewards more than
     # the fit (tests/test_learner_core.py checks the fit); here: the critic was trained and saved.
     critic = load_file(str(tmp_path / "p" / "checkpoints" / "step_000003" / "critic" / "critic.safetensors"))
