@@ -1,9 +1,12 @@
 """The Learner core in one process (DeepSpeed, gloo): updates follow the advantages, and a
 non-finite loss is skipped without touching the weights."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from actors.core.learner import Learner, LearnerSpec
 from actors.core.minibatch import Shard, minibatches, shards
@@ -328,12 +331,17 @@ def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):
     for key in ("loss", "pg_loss", "entropy", "kl", "kl_loss", "clip_fraction", "approx_kl", "grad_norm"):
         assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     # Adam's first step is lr * g / (|g| + eps), about lr * sign(g): where a gradient is within a
-    # few eps of 0, summing it in parts moves the weight differently (by up to 4e-5 in 48 elements
-    # of 16k on one machine, 2 on another), so: almost every weight within lr / 100, none further
-    # than two steps of lr. A wrong gradient flips the signs of many (and the metrics above differ).
+    # few eps (1e-8) of 0, summing it in parts moves the step (by up to 4e-5 in 48 elements of 16k
+    # on one machine, 2 on another; with the entropy's gradient through the fused LM head, 6e-4 in
+    # 28 of the head's 12.8k, rows of tokens the batch barely touches). So: none further apart than
+    # two steps of lr, and almost every weight that took a full step (> 0.9 lr) within lr / 100. A
+    # wrong gradient flips the signs of many (and the metrics above differ).
+    start, full_steps = load_file(str(tiny_model[0] / "model.safetensors")), 0
     for name, value in w0.items():
-        diff = np.abs(w3[name] - value)
-        assert diff.max() <= 2e-2 and (diff > 1e-4).mean() < 1e-3, (name, diff.max(), (diff > 1e-4).sum())
+        diff, full = np.abs(w3[name] - value), np.abs(value - start[name].numpy()) > 0.9e-2
+        assert diff.max() <= 2e-2 and (diff[full] > 1e-4).mean() < 1e-3, (name, diff.max(), (diff[full] > 1e-4).sum())
+        full_steps += full.sum()
+    assert full_steps > 0.5 * sum(w.size for w in w0.values())  # most weights took a full step: the bound has teeth
 
 
 def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
@@ -348,9 +356,9 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
 
 
 def test_the_learner_takes_the_fused_head_where_it_applies_with_the_logits_paths_numbers(learner, monkeypatch):
-    """`_policy` under untruncated sampling and no entropy gradient goes through the fused LM head
-    (rows that share a prompt pack); its log-probs, entropies and gradients are those of the
-    logits path (`along_response`), which a truncated sampling or an entropy loss still takes."""
+    """`_policy` under untruncated sampling goes through the fused LM head (rows that share a
+    prompt pack), with or without an entropy gradient; its log-probs, entropies and gradients are
+    those of the logits path (`along_response`), which a truncated sampling still takes."""
     from actors.core import learner as learner_module
     from actors.core.modeling import sequence_tensors
 
@@ -358,23 +366,30 @@ def test_the_learner_takes_the_fused_head_where_it_applies_with_the_logits_paths
     fused_calls = []
     fused = learner_module.packed_token_logprobs
     monkeypatch.setattr(learner_module, "packed_token_logprobs", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    weights = torch.from_numpy(np.random.default_rng(9).random(inputs["response_mask"].shape)).float()
 
     def policy_and_grads(entropy_grad=False):
         learner.engine.zero_grad()
         logp, full, entropy = learner._policy(inputs, entropy_grad=entropy_grad)
-        learner.engine.backward((logp * inputs["response_mask"]).sum())  # through its hooks, as an update
+        mask = inputs["response_mask"]
+        loss = (logp * mask).sum() + ((entropy * weights * mask).sum() if entropy_grad else 0)
+        learner.engine.backward(loss)  # through its hooks, as an update
         return logp, full, entropy, [p.grad.clone() for p in learner.model.parameters()]
 
-    got = policy_and_grads()
-    assert fused_calls == [1] and got[0] is got[1]
-    policy_and_grads(entropy_grad=True)  # an entropy with a gradient needs the logits
-    assert fused_calls == [1]
+    got = {grad: policy_and_grads(grad) for grad in (False, True)}
+    assert fused_calls == [1, 1] and got[False][0] is got[False][1] and got[True][2].requires_grad
+    top_p = dataclasses.replace(learner.spec.sampling, top_p=0.9)
+    monkeypatch.setattr(learner, "spec", dataclasses.replace(learner.spec, sampling=top_p))
+    policy_and_grads()  # a truncated sampling needs the logits
+    assert fused_calls == [1, 1]
+    monkeypatch.undo()
     monkeypatch.setattr(learner_module, "packed_token_logprobs", lambda *a, **k: None)
-    want = policy_and_grads()
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    # the entropy, a metric, is lse - sum p z: exact to a few float32 ulps of the largest logit (~20 here), not of itself
-    torch.testing.assert_close(got[2], want[2], rtol=0, atol=2e-5)
-    for g, w in zip(got[3], want[3], strict=True):  # float32 sums in other orders: to 1e-4 of each gradient's largest
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+    for entropy_grad in (False, True):
+        fused_run, want = got[entropy_grad], policy_and_grads(entropy_grad)
+        torch.testing.assert_close(fused_run[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused_run[1], want[1], rtol=1e-5, atol=1e-5)
+        # the entropy is lse - sum p z: exact to a few float32 ulps of the largest logit (~20 here), not of itself
+        torch.testing.assert_close(fused_run[2], want[2], rtol=0, atol=2e-5)
+        for g, w in zip(fused_run[3], want[3], strict=True):  # float32 sums in other orders: to 1e-4 of each largest
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
     learner.engine.zero_grad()

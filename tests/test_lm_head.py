@@ -1,6 +1,6 @@
 """The fused LM head (actors/core/lm_head.py) against the whole head's logits, `log_softmax` and
-`gather` in float64 autograd: the same log-probs, entropies and gradients, whatever the chunk
-size, for oneDNN's product and torch's."""
+`gather` in float64 autograd: the same log-probs, entropies and gradients (of the log-probs, of
+the entropies, of both), whatever the chunk size, for oneDNN's product and torch's."""
 
 from __future__ import annotations
 
@@ -25,17 +25,19 @@ def _head(kind: str) -> nn.Linear:
     return head
 
 
-def _reference(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _reference(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, grad_entropy: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """In float64 from the whole logits: the log-probs of `ids`, the entropies, and the gradients
-    of `sum(grad * logp)` for the hidden states and the weight."""
+    of `sum(grad * logp) + sum(grad_entropy * entropy)` for the hidden states and the weight."""
     hidden, weight = (t.detach().double().requires_grad_() for t in (hidden, weight))
     logp = torch.log_softmax(hidden @ weight.t(), dim=-1)  # [R, V]
     chosen = logp.gather(-1, ids[:, None])[:, 0]  # [R]
-    return (
-        chosen.detach(),
-        -(logp.exp() * logp).sum(-1).detach(),
-        *torch.autograd.grad((chosen * grad.double()).sum(), (hidden, weight)),
-    )
+    entropy = -(logp.exp() * logp).sum(-1)  # [R]
+    loss = (chosen * grad.double()).sum()
+    if grad_entropy is not None:
+        loss = loss + (entropy * grad_entropy.double()).sum()
+    return chosen.detach(), entropy.detach(), *torch.autograd.grad(loss, (hidden, weight))
 
 
 @pytest.mark.parametrize("kind", ["torch", "oneDNN"])
@@ -55,6 +57,49 @@ def test_log_probs_entropies_and_gradients_equal_the_whole_logits(kind, chunk):
     got = torch.autograd.grad((logp * grad).sum(), (hidden, head.weight))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["torch", "oneDNN"])
+@pytest.mark.parametrize("chunk", [7, 16, 50, 64])
+@pytest.mark.parametrize("terms", ["both", "entropy alone"])
+def test_the_entropys_gradient_equals_the_whole_logits(kind, chunk, terms):
+    """An entropy bonus: `entropy_grad` gives the entropies a gradient, `-p (log p + H)` through
+    the logits, added to the log-probs' (or alone, where the loss reads only the entropies)."""
+    head = _head(kind)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(R, D, generator=gen, requires_grad=True)
+    ids = torch.tensor([3, 3, 0, 49, 17, 3, 48, 1, 17])
+    grad, grad_entropy = torch.randn(R, generator=gen), torch.randn(R, generator=gen)
+    grad = grad if terms == "both" else torch.zeros(R)
+    logp, entropy = lm_head.token_logprobs(hidden, head, ids, with_entropy=True, entropy_grad=True, chunk=chunk)
+    want_logp, want_entropy, *want = _reference(hidden, head.weight, ids, grad, grad_entropy)
+    torch.testing.assert_close(logp.double(), want_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=0, atol=1e-5)
+    assert entropy.requires_grad
+    loss = (entropy * grad_entropy).sum() + ((logp * grad).sum() if terms == "both" else 0)
+    got = torch.autograd.grad(loss, (hidden, head.weight))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=2e-6)
+
+
+def test_the_entropys_gradient_where_probabilities_underflow():
+    """Logits ~200 apart: most of each row's `exp(z - max)` underflows to 0 in float32, where
+    `p log p` must count 0 (not 0 * -inf): the gradients stay finite and equal float64's. The
+    entropies too, near 0 here: taken as lse - sum p z they would cancel two numbers near the
+    largest logit (~300) and be off by ~1e-3 (which, through their gradient, was 0.3% of d hidden)."""
+    head = _head("torch")
+    with torch.no_grad():
+        head.weight.mul_(25.0)
+    hidden = torch.randn(R, D, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    ids, grad, grad_entropy = torch.arange(R), torch.ones(R), torch.full((R,), 0.5)
+    logp, entropy = lm_head.token_logprobs(hidden, head, ids, with_entropy=True, entropy_grad=True, chunk=16)
+    assert (torch.exp(hidden @ head.weight.t() - (hidden @ head.weight.t()).amax(1, keepdim=True)) == 0).any()
+    got = torch.autograd.grad((logp * grad + entropy * grad_entropy).sum(), (hidden, head.weight))
+    _, want_entropy, *want = _reference(hidden, head.weight, ids, grad, grad_entropy)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=1e-3, atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", ["torch", "oneDNN"])

@@ -300,7 +300,8 @@ def test_the_fused_head_gives_the_packed_logits_log_probs_entropies_and_gradient
     """`packed_token_logprobs` (the decoder's last hidden state through the fused LM head,
     actors/core/lm_head.py) against `along_response` with `token_logprobs` on the packed logits:
     the same log-probs and entropies at the response tokens, 0 at padding, and the same gradient
-    of every parameter (a tied embedding's two uses summed). None where the rows would not pack
+    of every parameter (a tied embedding's two uses summed), of the log-probs and, for an entropy
+    bonus, of the entropies too. None where the rows would not pack
     and where the head has a bias."""
     torch.manual_seed(5)
     config = LlamaConfig(**{**model.config.to_dict(), "attn_implementation": attention, "tie_word_embeddings": tied})
@@ -321,6 +322,18 @@ def test_the_fused_head_gives_the_packed_logits_log_probs_entropies_and_gradient
     params = list(packable.parameters())
     got = torch.autograd.grad((fused_logp * weights).sum(), params, allow_unused=True)
     want = torch.autograd.grad((logp * weights).sum(), params, allow_unused=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    # an entropy bonus: the entropies' gradient too, against the logits path's entropy with a graph
+    bonus = torch.from_numpy(np.random.default_rng(7).standard_normal((8, 3))).float() * mask
+    fused_logp, fused_entropy = packed_token_logprobs(packable, inputs, temperature, with_entropy=True, entropy_grad=True)
+    sampling = SamplingSpec(temperature=temperature)
+    logp, _, entropy = along_response(
+        packable, inputs, temperature, lambda logits, ids: token_logprobs_and_entropy(logits, ids, sampling, True)
+    )
+    torch.testing.assert_close(fused_entropy * mask, entropy * mask, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad((fused_logp * weights + fused_entropy * bonus).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((logp * weights + entropy * bonus).sum(), params, allow_unused=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     renamed = RenamedLlama(config).eval()

@@ -44,7 +44,7 @@ from pipelines.algos.losses import (
     kl_penalty,
     masked_aggregate,
 )
-from pipelines.algos.sampling import SamplingSpec, needs_logits, token_logprobs_and_entropy
+from pipelines.algos.sampling import SamplingSpec, token_logprobs_and_entropy
 from pipelines.data.preferences import pad_id
 
 EVAL_CHUNK = 64  # pairs per forward pass when a learner scores a whole evaluation set
@@ -152,8 +152,8 @@ class Learner:
         sampling distribution's entropy at each position (pipelines/algos/sampling.py), with a
         graph only when `entropy_grad` (a loss term)."""
         sampling = self.spec.sampling
-        if not needs_logits(sampling, entropy_grad):  # the head and log-probs fused, where rows pack
-            fused = packed_token_logprobs(self.engine, inputs, sampling.temperature, with_entropy=True)
+        if not sampling.truncates:  # the full softmax: the head and log-probs fused, where rows pack
+            fused = packed_token_logprobs(self.engine, inputs, sampling.temperature, with_entropy=True, entropy_grad=entropy_grad)
             if fused is not None:
                 logp, entropy = fused
                 return logp, logp, entropy

@@ -184,10 +184,11 @@ def _packed_response_logits(
 
 
 def packed_token_logprobs(
-    model, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+    model, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`[n, T]` each (0 at padding): each response token's log-prob under the model's full softmax
-    at `temperature`, and (`with_entropy`) that softmax's entropy, a value without a gradient. The
+    at `temperature`, and (`with_entropy`) that softmax's entropy, with a gradient where
+    `entropy_grad` (a loss term), else a value. The
     rows packed as `_packed_sequences` says and run through the model in one pass; its
     last hidden state at the positions that predict a response token goes through the LM head
     and the log-probs together, a chunk of the vocabulary at a time (actors/core/lm_head.py), so
@@ -210,7 +211,7 @@ def packed_token_logprobs(
     hidden = out.hidden_states[-1][0, at["out_flat"]]  # [1, N, d] -> [R, d]: the position predicting each token
     hidden = hidden if temperature == 1.0 else hidden / temperature
     where = (at["out_row"], at["out_t"])  # each of those tokens in [n, T]
-    logp, entropy = lm_head.token_logprobs(hidden, head, inputs["response_ids"][where], with_entropy)  # [R] each
+    logp, entropy = lm_head.token_logprobs(hidden, head, inputs["response_ids"][where], with_entropy, entropy_grad)  # [R] each
 
     def in_place(values: torch.Tensor) -> torch.Tensor:  # [R] -> [n, T]
         return torch.zeros(inputs["response_ids"].shape, dtype=values.dtype, device=values.device).index_put(where, values)

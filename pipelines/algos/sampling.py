@@ -101,9 +101,9 @@ def sampled_log_softmax(logits: Tensor, spec: SamplingSpec, token_ids: Tensor | 
 
 
 def needs_logits(spec: SamplingSpec, entropy_grad: bool) -> bool:
-    """Whether `token_logprobs_and_entropy` needs the whole `[..., V]` logits: a truncated sampling
-    distribution, or an entropy with a gradient (a loss term). Otherwise the log-probs are the
-    full softmax's and the entropy only a value, which a fused LM head computes without them.
+    """Whether `token_logprobs_and_entropy` needs the whole `[..., V]` logits' log-softmax: a
+    truncated sampling distribution, or an entropy with a gradient (a loss term). Otherwise the
+    log-probs are the full softmax's and the entropy only a value (`token_logprobs`, one pass).
 
     >>> needs_logits(SamplingSpec(), entropy_grad=False), needs_logits(SamplingSpec(top_k=5), entropy_grad=False)
     (False, True)
