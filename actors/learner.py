@@ -242,8 +242,8 @@ class LearnerGroup(ActorGroup):
     def update(self, method: str, minibatches: list[list[ray.ObjectRef]], *args) -> dict[str, float]:
         """An update `method` (`train_step`, `dpo_step`, `rm_step`) on every rank, each with refs to
         its own shards (`minibatches[rank]`, from `minibatch_refs`). Returns rank 0's metrics (the
-        same on every rank) but for what the fetches moved: `fetch_bytes` summed over the ranks,
-        `time_fetch` the slowest rank's."""
+        loss's are the same on every rank; its threads and `time_update` are rank 0's own) but for
+        what the fetches moved: `fetch_bytes` summed over the ranks, `time_fetch` the slowest rank's."""
         results = self.run(method, *args, each=minibatches)
         fetches = {"fetch_bytes": sum(r["fetch_bytes"] for r in results), "time_fetch": max(r["time_fetch"] for r in results)}
         return results[0] | fetches

@@ -115,7 +115,11 @@ class ModelConfig(Strict):
     path: str | None = Field(None, description="Hugging Face causal LM directory; empty = the embedded tiny model")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="the embedded model, used when path is empty")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype for learner and rollout")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute activations in backward to save memory (the learner then runs each row's "
+        "prompt with its response: no packing, README 'Prompt and responses in one packed row')",
+    )
 
 
 PathSpec = str | list[str]

@@ -295,8 +295,9 @@ def test_broadcast_weight_sync_from_a_zero3_world_reaches_two_engines(local_ray,
 @pytest.mark.parametrize("entropy_coef", [0.01, 0.0])
 def test_two_learner_zero2_world_gives_the_same_update_as_one_learner(local_ray, tiny_model, batch_ref, buffer, entropy_coef):
     """Also with each rank's 16 rows cut into micro-batches of at most 7 (6 + 5 + 5): ZeRO-2
-    reduces the gradients at each backward, and they add up to the same update. Through the fused
-    LM head (actors/core/lm_head.py), with an entropy bonus (its gradient too) and without."""
+    reduces the gradients at each backward, and they add up to the same update. With an entropy
+    bonus and without: the learner's log-probs take the fused LM head (actors/core/lm_head.py) in
+    both (tests/test_learner_core.py checks that `_policy` does), with the entropy's gradient in one."""
     batch = ray.get(batch_ref)
     scores = (np.arange(len(batch["response_ids"])) % 3 == 0).astype(np.float32)
     targets = _targets(batch, scores)

@@ -196,6 +196,44 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_gradients(fused):
+    """Grouped-query attention (4 query heads sharing 2 key-value heads, as SmolLM2's 9 share 3):
+    the packed pass's attention takes the grouped heads as they are; the log-probs, on the logits
+    path and through the fused LM head, and every parameter's gradient equal one full pass per row."""
+    torch.manual_seed(11)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    packable = LlamaForCausalLM(config).eval()
+    inputs = _three_prompts(3)
+    if fused:
+        packed = packed_token_logprobs(packable, inputs, 1.0)[0]
+    else:
+        passes = []
+        hook = packable.model.layers[0].register_forward_hook(lambda _m, args, _out: passes.append(tuple(args[0].shape[:2])))
+        try:
+            packed = _log_probs(packable, inputs, 1.0)
+        finally:
+            hook.remove()
+        assert passes == [(1, 17)]  # the packed row
+    full = packable(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+    expected = torch.log_softmax(full.logits[:, 3:6], dim=-1).gather(-1, inputs["response_ids"][..., None])[..., 0]
+    mask = inputs["response_mask"].float()
+    torch.testing.assert_close(packed * mask, expected * mask, rtol=1e-5, atol=1e-5)
+    weights = torch.from_numpy(np.random.default_rng(12).standard_normal((8, 3))).float() * mask
+    got = torch.autograd.grad((packed * weights).sum(), list(packable.parameters()))
+    want = torch.autograd.grad((expected * weights).sum(), list(packable.parameters()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_rows_are_not_packed_where_it_would_not_fit_or_apply(model, monkeypatch):
     """No packing (None: the two passes run) when the masks would be too large, under a sliding
     window shorter than a packed sequence, with no response token at all, under gradient

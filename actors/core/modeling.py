@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 
 from actors.core import lm_head
 from actors.core.minibatch import scored_tokens
@@ -106,7 +107,7 @@ def along_response(model, inputs: dict[str, torch.Tensor], temperature: float, p
     (a zero `[1, K, V]` gradient the rows are scattered into, added to the other), took ~5% of a
     SmolLM2 update. `per_part` then also runs at the prompts' last positions, whose results there
     are not read (their gradient is 0): K is R less the rows' first tokens plus the distinct
-    prompts."""
+    prompts that have a row with a response."""
     ids, done, results = inputs["response_ids"], 0, []
     packed = _packed_response_logits(model, inputs, temperature)
     if packed is not None:
@@ -270,6 +271,11 @@ def _packed_attention(
     as transformers' attention functions do."""
     lengths, masks = kwargs["packed_sequences"]
     gqa = query.shape[1] != key.shape[1]
+    if gqa and query.device.type != "cpu" and not use_gqa_in_sdpa(masks[0], key, value):
+        # as transformers' SDPA does: CUDA's kernels take grouped heads only without a mask (else the
+        # math kernel, keeping [heads, l, l] for the backward); the CPU flash kernel takes both
+        groups = query.shape[1] // key.shape[1]
+        key, value, gqa = repeat_kv(key, groups), repeat_kv(value, groups), False
     # Split along N in the `[1, N, heads, d]` order the projections made (the gradients then come
     # back joined in that order, which the projections' backward reads without a copy).
     q, k, v = (t.transpose(1, 2).split(lengths, dim=1) for t in (query, key, value))
