@@ -197,21 +197,14 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_gradients(fused):
+def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_gradients(model, fused):
     """Grouped-query attention (4 query heads sharing 2 key-value heads, as SmolLM2's 9 share 3):
     the packed pass's attention takes the grouped heads as they are; the log-probs, on the logits
     path and through the fused LM head, and every parameter's gradient equal one full pass per row."""
     torch.manual_seed(11)
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    config = LlamaConfig(**{**model.config.to_dict(), "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4})
     packable = LlamaForCausalLM(config).eval()
+    assert packable.model.layers[0].self_attn.num_key_value_groups == 2
     inputs = _three_prompts(3)
     if fused:
         packed = packed_token_logprobs(packable, inputs, 1.0)[0]
