@@ -157,9 +157,28 @@ def _three_prompts(T: int) -> dict:
     return sequence_tensors(batch, np.arange(8))
 
 
+@pytest.fixture(params=["one padded call", "a call per sequence"])
+def attention_calls(request, monkeypatch):
+    """The packed pass's two attention layouts: these tests' sequences (4-7 tokens) share one padded
+    call under `PADDED_ATTENTION_LENGTH`; at 0 each sequence gets its own (as longer ones do)."""
+    from actors.core import modeling
+
+    if request.param == "a call per sequence":
+        monkeypatch.setattr(modeling, "PADDED_ATTENTION_LENGTH", 0)
+    return request.param
+
+
+def _assert_attention_calls(model, inputs, attention_calls):
+    from actors.core import modeling
+
+    assert (modeling._packed_sequences(model, inputs).padded is not None) is (attention_calls == "one padded call")
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize(("T", "temperature"), [(3, 1.0), (3, 0.7), (1, 1.0)])
-def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradients(model, attention, T, temperature):
+def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradients(
+    model, attention, T, temperature, attention_calls
+):
     """`along_response` on rows whose prompts repeat: each distinct prompt and the responses that
     share it run as one packed sequence (one pass, no padding), with a prompt of one row and an
     empty response among them; the log-probs of the real response tokens and every parameter's
@@ -169,6 +188,7 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
     packable = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "attn_implementation": attention})).eval()
     packable.load_state_dict(model.state_dict())
     assert packable.config._attn_implementation == attention
+    _assert_attention_calls(packable, inputs, attention_calls)
     renamed = RenamedLlama(model.config).eval()
     renamed.load_state_dict(model.state_dict())
     passes = []
@@ -197,7 +217,7 @@ def test_packed_prompts_and_responses_give_the_full_passes_log_probs_and_gradien
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_gradients(model, fused):
+def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_gradients(model, fused, attention_calls):
     """Grouped-query attention (4 query heads sharing 2 key-value heads, as SmolLM2's 9 share 3):
     the packed pass's attention takes the grouped heads as they are; the log-probs, on the logits
     path and through the fused LM head, and every parameter's gradient equal one full pass per row."""
@@ -206,6 +226,7 @@ def test_packed_grouped_query_attention_gives_the_full_passes_log_probs_and_grad
     packable = LlamaForCausalLM(config).eval()
     assert packable.model.layers[0].self_attn.num_key_value_groups == 2
     inputs = _three_prompts(3)
+    _assert_attention_calls(packable, inputs, attention_calls)
     if fused:
         packed = packed_token_logprobs(packable, inputs, 1.0)[0]
     else:
@@ -297,7 +318,7 @@ def test_rows_taken_beside_the_logits_get_the_gradient_of_plain_indexing(use):
 
 
 @pytest.mark.parametrize("spec", [SamplingSpec(top_p=0.5), SamplingSpec(top_k=3, temperature=0.7), SamplingSpec()])
-def test_packed_sampling_log_probs_and_a_graphed_entropy_equal_the_two_passes(model, spec):
+def test_packed_sampling_log_probs_and_a_graphed_entropy_equal_the_two_passes(model, spec, attention_calls):
     """The learner's `per_part` (pipelines/algos/sampling.py: truncated log-probs, the full
     softmax's, an entropy with a graph), which reads the logits more than once, on the packed
     path and on the two passes: the same three values at the response tokens and the same
