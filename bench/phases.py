@@ -129,7 +129,7 @@ def fastest(product, seconds: float, at_least: int = 1) -> float:
 
 def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: float = 0.3) -> float:
     """FLOP/s of one update's matmuls at the model's own shapes, made as the learner's linear layers
-    make them (actors/core/onednn.py where it is on, else torch's BLAS), without autograd around
+    make them (oneDNN for the layers `use_onednn` switches, else torch's BLAS), without autograd around
     them: each linear layer's forward `x W^T`, input gradient `dy W` and weight gradient `dy^T x`
     over `rows` tokens, the LM head's over `head_rows`; each product the best of its repeated
     timings (for `seconds`, at least 3 after a first that builds oneDNN's kernel), summed over the
@@ -142,18 +142,17 @@ def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: flo
         product()  # the first call builds oneDNN's kernel for the shape
         return fastest(product, seconds, at_least=3)
 
-    if onednn.available():  # as `_Linear` multiplies
-        products = (
-            lambda x, w, dy: onednn.matmul_t(x, w),
-            lambda x, w, dy: onednn.matmul_t(dy, w.t()),
-            lambda x, w, dy: onednn.weight_grad(dy, x),
-        )
-    else:  # as `nn.Linear` does on CPU
-        products = (lambda x, w, dy: x.mm(w.t()), lambda x, w, dy: dy.mm(w), lambda x, w, dy: dy.t().mm(x))
+    in_onednn = (  # as `_Linear` multiplies
+        lambda x, w, dy: onednn.matmul_t(x, w),
+        lambda x, w, dy: onednn.matmul_t(dy, w.t()),
+        lambda x, w, dy: onednn.weight_grad(dy, x),
+    )
+    in_torch = (lambda x, w, dy: x.mm(w.t()), lambda x, w, dy: dy.mm(w), lambda x, w, dy: dy.t().mm(x))  # as `nn.Linear` on CPU
     flops = total = 0.0
     layers = [(k, n, count, rows) for (k, n), count in shape.linears.items()] + [(*shape.head_shape, 1, head_rows)]
     for k, n, count, m in layers:
         x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        products = in_onednn if onednn.available() and k * n >= onednn.MIN_WEIGHT else in_torch  # as `use_onednn` switches
         flops += count * 6 * m * k * n
         total += count * sum(best(functools.partial(p, x, w, dy)) for p in products)
     return flops / total

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from actors.core import onednn
 from actors.core.learner import Learner, LearnerSpec
 from actors.core.minibatch import Shard, minibatches, shards
 from actors.core.onednn import OneDnnLinear, available
@@ -57,7 +58,19 @@ def _gloo_world_ends_with_the_module():
 
 @pytest.fixture(scope="module")
 def learner(tiny_model):
-    return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
+    """A learner whose every linear layer multiplies in oneDNN (actors/core/onednn.py), as a real
+    model's do: the tiny model's layers are all under `MIN_WEIGHT`, which keeps them with MKL."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onednn, "MIN_WEIGHT", 0)
+        return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
+
+
+def _switched_by_size(model: torch.nn.Module) -> bool:
+    """Each linear layer is in oneDNN exactly when it has `MIN_WEIGHT` weights or more (and oneDNN is on)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return bool(linears) and all(
+        isinstance(m, OneDnnLinear) == (available() and m.weight.numel() >= onednn.MIN_WEIGHT) for m in linears
+    )
 
 
 def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
@@ -95,7 +108,7 @@ def test_critic_fits_the_returns(tiny_model):
     batch = _batch()
     returns = (np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]).astype(np.float32)
     critic = Critic(str(tiny_model[0]), lr=1e-3)
-    assert available() == isinstance(critic.model.head, OneDnnLinear)  # actors/core/onednn.py
+    assert _switched_by_size(critic.model)  # actors/core/onednn.py
     assert not critic.values(batch).any(), "the critic must start at V = 0"
     for _ in range(CRITIC_STEPS):
         metrics = critic.train_step(minibatches({**batch, "old_values": critic.values(batch), "returns": returns}, 8, seed=0))
@@ -150,6 +163,7 @@ def test_gspo_loss_through_the_learner_does_not_depend_on_response_length(frozen
     """Every token's log-ratio c and every advantage A: GSPO's loss is -exp(c) A (a mean over
     sequences) for 3- and 6-token responses alike, whatever `algo.aggregate` is. The learner used to
     divide GSPO's sum over sequences by the minibatch's token count (3x or 6x smaller)."""
+    assert _switched_by_size(frozen.model)  # a learner as built by default: the tiny model's layers stay with MKL
     c, adv = 0.1, 0.5
     for batch in (_batch(), _long_batch()):
         for aggregate in ("token-mean", "seq-mean-token-mean"):
@@ -223,7 +237,7 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     batch = _batch()
     truncated = learner.logprobs(batch)
     scorer = ReferenceScorer(str(tiny_model[0]))
-    assert available() == isinstance(scorer.model.lm_head, OneDnnLinear)  # actors/core/onednn.py, as the learner's
+    assert _switched_by_size(scorer.model)  # actors/core/onednn.py, as the learner's
     reference = scorer.logprobs(batch)
     assert (truncated - reference).max() > 1e-3  # the truncation matters for this batch
     step = {**batch, "behaviour_logprobs": truncated, "reference_logprobs": reference}

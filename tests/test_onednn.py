@@ -31,7 +31,7 @@ def test_linear_equals_float64_autograd(bias, shape, strided):
     torch.manual_seed(0)
     exact = nn.Linear(64, 48, bias=bias).double()
     fast = copy.deepcopy(exact).float()
-    assert use_onednn(fast) == 1 and type(fast) is OneDnnLinear
+    assert use_onednn(fast, min_weight=0) == 1 and type(fast) is OneDnnLinear
     x64 = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     x = x64.detach().float()
     if strided:  # every other column of a wider array, as a view
@@ -57,7 +57,7 @@ def test_only_some_gradients_wanted(wanted):
     torch.manual_seed(0)
     exact = nn.Linear(16, 8).double()
     fast = copy.deepcopy(exact).float()
-    use_onednn(fast)
+    use_onednn(fast, min_weight=0)
     x64 = torch.randn(5, 16, dtype=torch.float64, requires_grad=wanted == "input")
     x = x64.detach().float().requires_grad_(wanted == "input")
     for layer in (exact, fast):
@@ -76,7 +76,7 @@ def test_a_broadcast_gradient_an_in_place_op_and_a_vector_input():
     torch.manual_seed(0)
     exact = nn.Linear(16, 8).double()
     fast = copy.deepcopy(exact).float()
-    use_onednn(fast)
+    use_onednn(fast, min_weight=0)
     x64 = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
     x = x64.detach().float().requires_grad_(True)
     # y.sum(): the gradient arrives as an expanded (stride 0) tensor; add_ after: legal, as for nn.Linear
@@ -92,7 +92,7 @@ def test_the_weight_gradient_over_the_copy_limit_goes_through_mkl(monkeypatch):
     torch.manual_seed(0)
     exact = nn.Linear(16, 8).double()
     fast = copy.deepcopy(exact).float()
-    use_onednn(fast)
+    use_onednn(fast, min_weight=0)
     x = torch.randn(6, 16)
     exact(x.double()).square().sum().backward()
     monkeypatch.setattr(onednn, "WEIGHT_GRAD_COPY_LIMIT", 6 * 8 - 1)  # one element fewer than dy's
@@ -101,6 +101,18 @@ def test_the_weight_gradient_over_the_copy_limit_goes_through_mkl(monkeypatch):
     names = [e.key for e in prof.key_averages()]
     assert "aten::mm" in names and "mkldnn::_linear_pointwise" in names
     torch.testing.assert_close(fast.weight.grad.double(), exact.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_small_layers_stay_with_torch(monkeypatch):
+    """Layers under `MIN_WEIGHT` weights keep `nn.Linear` (MKL): a new row count costs a small
+    layer more in oneDNN's kernel build than its product gains. The threshold is read at the call."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255), nn.Linear(64, 8))
+    assert onednn.MIN_WEIGHT == 256 * 256
+    assert use_onednn(model) == 1 and [type(m) for m in model] == [OneDnnLinear, nn.Linear, nn.Linear]
+    monkeypatch.setattr(onednn, "MIN_WEIGHT", 64 * 8)
+    assert use_onednn(model) == 2 and [type(m) for m in model] == [OneDnnLinear] * 3
+    x = torch.randn(5, 64)
+    assert _ran_onednn(lambda: model[2](x))
 
 
 def test_the_switch_is_off_with_raypo_onednn_0(monkeypatch):
@@ -129,7 +141,7 @@ def test_a_switched_model_keeps_its_state_and_its_gradients():
     exact = LlamaForCausalLM(config).double()
     fast = copy.deepcopy(exact).float()
     linears = sum(type(m) is nn.Linear for m in fast.modules())
-    assert use_onednn(fast) == linears == 2 * 7 + 1  # q k v o gate up down per layer, the LM head
+    assert use_onednn(fast, min_weight=0) == linears == 2 * 7 + 1  # q k v o gate up down per layer, the LM head
     assert fast.state_dict().keys() == exact.state_dict().keys()
     ids = torch.randint(0, 50, (3, 11))
     weights = torch.randn(3, 11, 50, dtype=torch.float64)
