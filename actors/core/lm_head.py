@@ -134,11 +134,15 @@ class _HeadLogprobs(torch.autograd.Function):
         if ctx.kept is None:
             raise RuntimeError("the fused LM head's backward ran twice: its saved softmax was overwritten by the first")
         wants_hidden, wants_weight = ctx.needs_input_grad[:2]
-        d_hidden = torch.zeros_like(hidden) if wants_hidden else None  # [R, d]
+        # the onehot part of d hidden first (it starts the sum); of d weight last (it adds into rows)
+        if wants_hidden:
+            d_hidden = grad[:, None] * weight[token_ids] if grad is not None else torch.zeros_like(hidden)  # [R, d]
+        else:
+            d_hidden = None
         d_weight = torch.empty_like(weight) if wants_weight else None  # [V, d]
         # d logp / d z = onehot(token) - p; d H / d z = -p (log p + H). With p = e s (e = exp(z - max_c)
         # kept, s = exp(max_c - lse) per row and chunk), d z = -p (g + h (log s + H)) - h s e log e
-        # + g onehot: `scale` e + `entropy_scale` xlogy(e, e), and the onehot part after.
+        # + g onehot: `scale` e + `entropy_scale` xlogy(e, e), and the onehot part.
         g = grad if grad is not None else hidden.new_zeros(len(token_ids))
         shares, rate = log_shares.exp(), g[:, None]  # [R, chunks], [R, 1]
         if grad_entropy is not None:
@@ -157,9 +161,6 @@ class _HeadLogprobs(torch.autograd.Function):
             if wants_weight:
                 d_weight[start:end] = ctx.product(d_logits.t().contiguous(), hidden_t)  # [c, R] x [R, d]
         ctx.kept = None
-        if grad is not None:  # the onehot part
-            if wants_hidden:
-                d_hidden += grad[:, None] * weight[token_ids]
-            if wants_weight:
-                d_weight.index_add_(0, token_ids, grad[:, None] * hidden)
+        if grad is not None and wants_weight:
+            d_weight.index_add_(0, token_ids, grad[:, None] * hidden)
         return d_hidden, d_weight, None, None, None, None, None, None

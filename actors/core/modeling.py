@@ -6,7 +6,6 @@ through a causal LM the same way; this module is that one way, so none depends o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
@@ -170,8 +169,7 @@ def _packed_response_logits(
     at = packed.at
     keep = torch.unique(at["out_flat"])  # sorted: the positions that predict something, once each
     k = torch.searchsorted(keep, at["out_flat"])  # each response token's predicting position in [K]
-    with packed.attention(model):
-        out = model(**packed.model_inputs(), use_cache=False, logits_to_keep=keep)
+    out = packed.forward(model, logits_to_keep=keep)
     logits = out.logits.float()  # [1, K, V]
     later = at["out_t"] > 0  # the tokens after a row's first: each predicted from its own position
     zeros = torch.zeros_like(k)
@@ -208,8 +206,7 @@ def packed_token_logprobs(
     # hooks), its LM head at no position: the last hidden state (after the final norm) is what
     # Llama, Mistral, Qwen2 and Qwen3 (`PACKABLE_LMS`) hand their head, unscaled.
     nowhere = torch.empty(0, dtype=torch.long, device=packed.ids.device)
-    with packed.attention(model):
-        out = model(**packed.model_inputs(), use_cache=False, logits_to_keep=nowhere, output_hidden_states=True)
+    out = packed.forward(model, logits_to_keep=nowhere, output_hidden_states=True)
     at = packed.at
     hidden = out.hidden_states[-1][0, at["out_flat"]]  # [1, N, d] -> [R, d]: the position predicting each token
     hidden = hidden if temperature == 1.0 else hidden / temperature
@@ -236,30 +233,25 @@ class _Packed:
     at: dict[str, torch.Tensor]  # `_packing`'s columns as tensors, and `flat`, `out_flat`: their places along N
     padded: torch.Tensor | None = None  # short sequences: each token's place in [D * L], `masks` one [D, 1, L, L]
 
-    def model_inputs(self) -> dict:
-        """The model's inputs for `attention`'s pass: the row, its positions, the sequences' masks
+    def forward(self, model, **kwargs):
+        """`model(..., **kwargs)` over the row, its attention layers calling `_packed_attention` for
+        this one pass (the backward calls no attention function, but gradient checkpointing would:
+        see `_packed_sequences`). Its inputs: the row, its positions, the sequences' masks
         (`packed_sequences`, which `_packed_attention` reads), and as `attention_mask` an empty 4D
         tensor, which Hugging Face models hand to the attention as it is (no `[N, N]` mask is
         built), and which any other attention would refuse at once rather than ignore."""
-        empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=self.ids.device)
-        return {
-            "input_ids": self.ids,
-            "position_ids": self.positions,
-            "attention_mask": empty,
-            "packed_sequences": (self.lengths, self.masks, self.padded),
-        }
-
-    @staticmethod
-    @contextlib.contextmanager
-    def attention(model):
-        """`model`'s attention layers call `_packed_attention` while this lasts (one forward pass;
-        the backward calls no attention function, but gradient checkpointing would: see
-        `_packed_sequences`)."""
         config = getattr(model, "module", model).config
         before = config._attn_implementation
         config._attn_implementation_internal = PACKED_ATTENTION
         try:
-            yield
+            return model(
+                input_ids=self.ids,
+                position_ids=self.positions,
+                attention_mask=torch.ones(1, 1, 0, 0, dtype=torch.bool, device=self.ids.device),
+                packed_sequences=(self.lengths, self.masks, self.padded),
+                use_cache=False,
+                **kwargs,
+            )
         finally:
             config._attn_implementation_internal = before
 
@@ -267,7 +259,7 @@ class _Packed:
 def _packed_attention(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the packed sequences of one row (`_Packed.model_inputs`): each sequence's
+    """Attention over the packed sequences of one row (`_Packed.forward`): each sequence's
     queries against its own keys under its own mask, by SDPA, so the linear layers never run over
     padding, and no sequence attends across another's. A call per sequence; where all are short
     (`_Packed.padded`), one call over them copied into `[D, L]`, padded to the longest (16 calls a
@@ -320,7 +312,7 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
     None where it does not apply: a model not in `PACKABLE_LMS` (or with attention other than
     SDPA or eager, or a sliding window shorter than a packed sequence, or without
     `logits_to_keep`), ZeRO-3 (ranks would pass different shapes), gradient checkpointing with a
-    graph (its backward runs the attention again, outside `_Packed.attention`), rows that share
+    graph (its backward runs the attention again, outside `_Packed.forward`), rows that share
     no prompt, an empty prompt or no response token at all, or sequences whose masks would have
     more than `PACKED_MASK_ELEMENTS` entries."""
     module = getattr(model, "module", model)
@@ -361,16 +353,18 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
         padded = torch.empty(N, dtype=torch.long, device=device)
         padded[at["flat"]] = at["seq"] * L + at["col"]
         segment = torch.full((D * L,), -1, dtype=torch.long, device=device).index_put_((padded,), segments).view(D, L)
-        q, k = segment[:, :, None], segment[:, None, :]
-        allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril() & (q >= 0) & ((k == 0) | (k == q))
-        allowed |= torch.eye(L, dtype=torch.bool, device=device)
-        return _Packed(ids, positions, lengths, [allowed[:, None]], at, padded)
-    masks = []
-    for segment in segments.split(lengths):
-        q, k = segment[:, None], segment[None, :]
-        causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=device).tril()
-        masks.append((causal & ((k == 0) | (k == q)))[None, None])
-    return _Packed(ids, positions, lengths, masks, at)
+        return _Packed(ids, positions, lengths, [_allowed(segment)[:, None]], at, padded)
+    return _Packed(ids, positions, lengths, [_allowed(segment)[None, None] for segment in segments.split(lengths)], at)
+
+
+def _allowed(segment: torch.Tensor) -> torch.Tensor:
+    """`[..., l]` -> `[..., l, l]`, True where a query may attend to a key: causal, and the key in
+    the prompt (segment 0) or in the query's own segment (r + 1: row r's response). Padding (-1)
+    attends to the prompt and to earlier padding only (never an empty row: itself at least), and
+    nothing attends to it."""
+    q, k = segment[..., :, None], segment[..., None, :]
+    causal = torch.ones(segment.shape[-1], segment.shape[-1], dtype=torch.bool, device=segment.device).tril()
+    return causal & ((k == 0) | (k == q))
 
 
 def _packing(P: int, prompt_lengths: list[int], row_prompt: list[int], response_lengths: list[int]) -> dict:
