@@ -118,12 +118,12 @@ def test_small_layers_stay_with_torch(monkeypatch):
 def test_the_switch_is_off_with_raypo_onednn_0(monkeypatch):
     monkeypatch.setenv("RAYPO_ONEDNN", "0")
     layer = nn.Linear(4, 2)
-    assert not available() and use_onednn(layer) == 0 and type(layer) is nn.Linear
+    assert not available() and use_onednn(layer, min_weight=0) == 0 and type(layer) is nn.Linear
 
 
 def test_other_dtypes_and_empty_inputs_go_through_torch():
     layer = nn.Linear(16, 8).bfloat16()
-    use_onednn(layer)
+    assert use_onednn(layer, min_weight=0) == 1
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     assert not _ran_onednn(lambda: layer(x))
     assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))

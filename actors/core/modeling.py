@@ -239,7 +239,8 @@ class _Packed:
         see `_packed_sequences`). Its inputs: the row, its positions, the sequences' masks
         (`packed_sequences`, which `_packed_attention` reads), and as `attention_mask` an empty 4D
         tensor, which Hugging Face models hand to the attention as it is (no `[N, N]` mask is
-        built), and which any other attention would refuse at once rather than ignore."""
+        built), and which any other attention would refuse at once rather than ignore. No cache
+        (`use_cache=False`): `kwargs` may not set it."""
         config = getattr(model, "module", model).config
         before = config._attn_implementation
         config._attn_implementation_internal = PACKED_ATTENTION
@@ -349,7 +350,7 @@ def _packed_sequences(model, inputs: dict[str, torch.Tensor]) -> _Packed | None:
     segments[at["flat"]] = at["segment"]  # 0: a prompt, r + 1: row r's response
     D, L = len(lengths), max(lengths)
     if L <= PADDED_ATTENTION_LENGTH and D * L * L <= PACKED_MASK_ELEMENTS:
-        # short sequences (the tiny model's): one attention call over them, padded; padding attends to itself
+        # short sequences (the tiny model's): one attention call over them, padded; no real token sees the padding
         padded = torch.empty(N, dtype=torch.long, device=device)
         padded[at["flat"]] = at["seq"] * L + at["col"]
         segment = torch.full((D * L,), -1, dtype=torch.long, device=device).index_put_((padded,), segments).view(D, L)
@@ -361,7 +362,7 @@ def _allowed(segment: torch.Tensor) -> torch.Tensor:
     """`[..., l]` -> `[..., l, l]`, True where a query may attend to a key: causal, and the key in
     the prompt (segment 0) or in the query's own segment (r + 1: row r's response). Padding (-1)
     attends to the prompt and to earlier padding only (never an empty row: itself at least), and
-    nothing attends to it."""
+    no real token attends to it (-1 is no real query's segment)."""
     q, k = segment[..., :, None], segment[..., None, :]
     causal = torch.ones(segment.shape[-1], segment.shape[-1], dtype=torch.bool, device=segment.device).tril()
     return causal & ((k == 0) | (k == q))
