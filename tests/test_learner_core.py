@@ -56,14 +56,18 @@ def _gloo_world_ends_with_the_module():
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def learner(tiny_model):
+def _in_onednn(spec: LearnerSpec) -> Learner:
     """A learner whose every linear layer multiplies in oneDNN (actors/core/onednn.py), as a real
     model's decoder and LM head do: the tiny model's layers are all under `MIN_WEIGHT`, which keeps
-    them with MKL."""
+    them with MKL. It joins the module's gloo world."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(onednn, "MIN_WEIGHT", 0)
-        return Learner(LearnerSpec(str(tiny_model[0]), lr=1e-4), master_port=29611)
+        return Learner(spec, master_port=29611)
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model):
+    return _in_onednn(LearnerSpec(str(tiny_model[0]), lr=1e-4))
 
 
 def _switched_by_size(model: torch.nn.Module) -> bool:
@@ -364,9 +368,7 @@ def test_under_zero3_each_row_runs_its_prompt_itself(learner, tiny_model):
     group's prompt is not run apart there (ranks could share differently), elsewhere it is."""
     from actors.core.modeling import shares_prompts
 
-    with pytest.MonkeyPatch.context() as patch:  # every layer big enough for oneDNN, as in the `learner` fixture
-        patch.setattr(onednn, "MIN_WEIGHT", 0)
-        sharded = Learner(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3), master_port=29611)  # the module's world
+    sharded = _in_onednn(LearnerSpec(str(tiny_model[0]), lr=1e-3, zero_stage=3))  # were it not ZeRO-3
     assert shares_prompts(learner.engine) and not shares_prompts(sharded.engine)
     assert not any(isinstance(m, OneDnnLinear) for m in sharded.model.modules())  # ZeRO-3 keeps torch's linear
     assert np.isfinite(sharded.logprobs(_batch())).all()  # the one pass runs under ZeRO-3

@@ -18,10 +18,10 @@ MKL), so layers with fewer than `MIN_WEIGHT` weights stay with MKL: the tiny mod
 ~10% faster over its first 50 steps, where most row counts are new, and the same after.
 
 `use_onednn(model)` switches a model's float32 `nn.Linear` layers of at least `MIN_WEIGHT`
-weights in place; a layer that meets
-another dtype or device at run time (a bf16 engine, CPU autocast, a GPU) goes through
-`torch.nn.functional.linear` as before. It does nothing off x86-64, where torch was built without
-oneDNN, or with `RAYPO_ONEDNN=0` in the environment (the MKL path, as before).
+weights in place (`switches`); a layer that meets another dtype or device at run time (a bf16
+engine, CPU autocast, a GPU) goes through `torch.nn.functional.linear` as before. It does
+nothing off x86-64, where torch was built without oneDNN, or with `RAYPO_ONEDNN=0` in the
+environment (the MKL path, as before).
 
 The weight gradient's product takes the output gradient transposed, which oneDNN copies
 (`[out features, rows]`, as large as that layer's output gradient: for the LM head, the logits'
@@ -115,16 +115,18 @@ class OneDnnLinear(nn.Linear):
         return _Linear.apply(x, w, self.bias)
 
 
+def switches(weights: int, min_weight: int | None = None) -> bool:
+    """Whether a linear layer of `weights` weights multiplies in oneDNN: oneDNN is on (`available`)
+    and the layer has at least `min_weight` (default `MIN_WEIGHT`, read at the call)."""
+    return available() and weights >= (MIN_WEIGHT if min_weight is None else min_weight)
+
+
 def use_onednn(model: nn.Module, min_weight: int | None = None) -> int:
-    """Switch `model`'s `nn.Linear` layers (exactly that class) with at least `min_weight` weights
-    (default `MIN_WEIGHT`, read at the call) to `OneDnnLinear` in place, when this torch has
-    oneDNN; the number switched."""
-    if not available():
-        return 0
-    least = MIN_WEIGHT if min_weight is None else min_weight
+    """Switch `model`'s `nn.Linear` layers (exactly that class) that `switches` says to
+    `OneDnnLinear` in place; the number switched."""
     switched = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.numel() >= least:
+        if type(module) is nn.Linear and switches(module.weight.numel(), min_weight):
             module.__class__ = OneDnnLinear
             switched += 1
     return switched
