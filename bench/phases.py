@@ -24,8 +24,9 @@ causal attention, 6 x layers x hidden x the keys each token attends to; padding,
 and logits nobody reads do not count) over the learn phase's seconds,
 beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape with the
 learner's threads, measured in the same run, with each of torch's two float32 GEMMs: `torch.mm`
-(MKL's sgemm, what `nn.Linear` calls) and oneDNN (what raypo's learners call for layers of at
-least `onednn.MIN_WEIGHT` weights: actors/core/onednn.py). The ratio is taken against the faster
+(MKL's sgemm, what `nn.Linear` calls) and oneDNN (what raypo's learners call for the layers of at
+least `onednn.MIN_WEIGHT` weights whose products are faster there on this machine:
+actors/core/onednn.py). The ratio is taken against the faster
 of the two: how close the learner is to the machine's limit. Beside it, the FLOP/s of an update's own matmuls, each made alone at
 its shape as the learner makes it (every linear layer's forward, input gradient and weight
 gradient over a minibatch's packed tokens, the LM head's over its response tokens): what a
@@ -152,7 +153,7 @@ def update_gemm_flops(shape: ModelShape, rows: int, head_rows: int, seconds: flo
     layers = [(k, n, count, rows) for (k, n), count in shape.linears.items()] + [(*shape.head_shape, 1, head_rows)]
     for k, n, count, m in layers:
         x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
-        products = in_onednn if onednn.switches(k * n) else in_torch  # as `use_onednn` switches
+        products = in_onednn if onednn.switches(k, n) else in_torch  # as `use_onednn` switches
         flops += count * 6 * m * k * n
         total += count * sum(best(functools.partial(p, x, w, dy)) for p in products)
     return flops / total

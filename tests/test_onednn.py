@@ -14,6 +14,13 @@ from actors.core.onednn import OneDnnLinear, available, use_onednn
 pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def _every_large_layer(monkeypatch):
+    """`RAYPO_ONEDNN=1`: the layers these tests switch take oneDNN on any processor, without the
+    timing that picks the faster library (`faster_in_onednn`, tested on its own below)."""
+    monkeypatch.setenv("RAYPO_ONEDNN", "1")
+
+
 def _onednn_calls(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
@@ -119,6 +126,53 @@ def test_the_switch_is_off_with_raypo_onednn_0(monkeypatch):
     monkeypatch.setenv("RAYPO_ONEDNN", "0")
     layer = nn.Linear(4, 2)
     assert not available() and use_onednn(layer, min_weight=0) == 0 and type(layer) is nn.Linear
+
+
+def test_a_bad_raypo_onednn_names_the_choices(monkeypatch):
+    monkeypatch.setenv("RAYPO_ONEDNN", "yes")
+    with pytest.raises(ValueError, match=r"RAYPO_ONEDNN='yes'.*0 \(MKL everywhere\), 1 .* or auto"):
+        use_onednn(nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("onednn_share", [0.5, 0.9, 0.95, 1.5])
+def test_by_default_a_layer_takes_the_library_measured_faster(monkeypatch, onednn_share):
+    """Unset (`auto`), a large layer takes oneDNN where its products time at most `ONEDNN_MARGIN`
+    (0.9) of MKL's, once per shape and thread count. The timer is replaced: which library is
+    faster is the machine's to say, and a test cannot make it either."""
+    monkeypatch.delenv("RAYPO_ONEDNN")
+    calls = []
+
+    def seconds(products, repeats=5):
+        calls.append(products)
+        return onednn_share if len(calls) % 2 else 1.0  # oneDNN's products are timed first, then MKL's
+
+    monkeypatch.setattr(onednn, "_seconds", seconds)
+    onednn.faster_in_onednn.cache_clear()
+    try:
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(64, 8))
+        taken = use_onednn(model)
+        assert taken == (2 if onednn_share <= 0.9 else 0) and type(model[2]) is nn.Linear
+        assert len(calls) == 2, "one timing of each library for the one large shape"
+    finally:
+        onednn.faster_in_onednn.cache_clear()
+
+
+def test_the_measurement_times_both_libraries_on_this_machine(monkeypatch):
+    """The real timing (no stand-in): the two libraries' products of a 256 x 512 layer, a result
+    kept per shape and thread count, and `switches` following it."""
+    monkeypatch.delenv("RAYPO_ONEDNN")
+    onednn.faster_in_onednn.cache_clear()
+    timed = []
+    real = onednn._seconds
+    monkeypatch.setattr(onednn, "_seconds", lambda products, repeats=5: timed.append(real(products, repeats)) or timed[-1])
+    threads = torch.get_num_threads()
+    try:
+        faster = onednn.faster_in_onednn(256, 512, threads)
+        assert len(timed) == 2 and all(0 < t < 1 for t in timed)
+        assert faster == (timed[0] <= onednn.ONEDNN_MARGIN * timed[1])
+        assert onednn.switches(256, 512) == faster and len(timed) == 2, "measured once per shape and thread count"
+    finally:
+        onednn.faster_in_onednn.cache_clear()
 
 
 def test_other_dtypes_and_empty_inputs_go_through_torch():

@@ -150,16 +150,23 @@ class _HeadLogprobs(torch.autograd.Function):
             rate = rate + h * (log_shares + entropy[:, None])
         scale, entropy_scale = -rate * shares, None if grad_entropy is None else -h * shares  # [R, chunks]
         hidden_t = hidden.t()
+        # torch's BLAS reads d_logits transposed where it lies and adds or writes each product into
+        # place; oneDNN takes its operands laid out as its kernel reads them (a copy of d_logits^T)
+        in_place = ctx.product is _mm_t
         for i, kept in enumerate(ctx.kept):
             start, end = i * ctx.chunk, i * ctx.chunk + kept.shape[1]
             plogp = torch.xlogy(kept, kept) if entropy_scale is not None else None  # 0 where e underflowed to 0
             d_logits = kept.mul_(scale[:, i : i + 1])  # [R, c], in place
             if plogp is not None:
                 d_logits.addcmul_(plogp, entropy_scale[:, i : i + 1])
-            if wants_hidden:
-                d_hidden += ctx.product(d_logits, weight[start:end].t())  # [R, c] x [c, d]
-            if wants_weight:
-                d_weight[start:end] = ctx.product(d_logits.t().contiguous(), hidden_t)  # [c, R] x [R, d]
+            if wants_hidden and in_place:
+                d_hidden.addmm_(d_logits, weight[start:end])  # [R, c] x [c, d]
+            elif wants_hidden:
+                d_hidden += ctx.product(d_logits, weight[start:end].t())
+            if wants_weight and in_place:
+                torch.mm(d_logits.t(), hidden, out=d_weight[start:end])  # [c, R] x [R, d]
+            elif wants_weight:
+                d_weight[start:end] = ctx.product(d_logits.t().contiguous(), hidden_t)
         ctx.kept = None
         if grad is not None and wants_weight:
             d_weight.index_add_(0, token_ids, grad[:, None] * hidden)

@@ -1,11 +1,16 @@
-"""float32 linear layers through oneDNN's matmul, forward and backward, instead of torch's BLAS call.
+"""float32 linear layers through oneDNN's matmul, forward and backward, instead of torch's BLAS call,
+on the processors where that is faster.
 
 On CPU, `torch.nn.Linear` multiplies with MKL's sgemm. On AMD processors MKL takes its AVX2
 path whatever the processor supports; oneDNN (torch's own `mkldnn` library, the one vLLM's CPU
 backend uses for its linears) picks its kernels by instruction set, not vendor. On the 2-core
 AMD EPYC (AVX-512) raypo is built on, oneDNN ran SmolLM2's and the tiny model's matmul shapes,
 forward and both backward products, at 1.8-2.4x MKL's FLOP/s (bench/phases.py prints both
-GEMMs). The results are float32 products like MKL's: the same inputs, summed in another order.
+GEMMs). On a 2-core Intel Xeon (AVX10.1, AMX) MKL was the faster one at every shape of both
+models: a layer's three products took 1.1-1.4x as long in oneDNN, and a SmolLM2 update 1.11x.
+So which library a layer takes is measured, once per process and layer shape, on the machine
+that runs it (`faster_in_onednn`). The results are float32 products either way: the same
+inputs, summed in another order.
 
 oneDNN builds (JIT-compiles) a kernel for each shape it meets and keeps the last 1,024 in a
 cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`). The rows change from batch to batch, so a step with
@@ -15,13 +20,16 @@ few sizes instead cost more: every input and gradient copied once more. A small 
 gain less from oneDNN than a new kernel costs (a 128 x 384 layer over 400 rows: forward and both
 gradients 0.38 ms in oneDNN, 0.63 ms in MKL, ~2 ms more for a new row count in oneDNN, none in
 MKL), so layers with fewer than `MIN_WEIGHT` weights stay with MKL: the tiny model's update was
-~10% faster over its first 50 steps, where most row counts are new, and the same after.
+~10% faster over its first 50 steps, where most row counts are new, and the same after. For the
+same reason a layer takes oneDNN only where its products there take at most `ONEDNN_MARGIN` of
+MKL's time.
 
-`use_onednn(model)` switches a model's float32 `nn.Linear` layers of at least `MIN_WEIGHT`
-weights in place (`switches`); a layer that meets another dtype or device at run time (a bf16
-engine, CPU autocast, a GPU) goes through `torch.nn.functional.linear` as before. It does
-nothing off x86-64, where torch was built without oneDNN, or with `RAYPO_ONEDNN=0` in the
-environment (the MKL path, as before).
+`use_onednn(model)` switches a model's float32 `nn.Linear` layers in place where `switches`
+says; a layer that meets another dtype or device at run time (a bf16 engine, CPU autocast, a
+GPU) goes through `torch.nn.functional.linear` as before. It does nothing off x86-64, where
+torch was built without oneDNN. `RAYPO_ONEDNN` in the environment sets the choice: `0` never
+(MKL everywhere), `1` every layer of at least `MIN_WEIGHT` weights without measuring, unset or
+`auto` as measured.
 
 The weight gradient's product takes the output gradient transposed, which oneDNN copies
 (`[out features, rows]`, as large as that layer's output gradient: for the LM head, the logits'
@@ -31,8 +39,10 @@ without a copy.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +51,9 @@ from torch.autograd.function import once_differentiable
 
 WEIGHT_GRAD_COPY_LIMIT = 1 << 26  # elements (256 MB of float32) of the transposed gradient oneDNN would copy
 MIN_WEIGHT = 1 << 16  # a layer's weights (256 x 256) below which its products stay with MKL (above)
+ONEDNN_MARGIN = 0.9  # oneDNN's share of MKL's time on a layer's products at most which the layer takes oneDNN
+TIMED_ROWS = 512  # rows of the products `faster_in_onednn` times (a SmolLM2 minibatch packs ~300-1,500)
+TIMED_MAX_OUT = 2048  # output features timed at most: the fused LM head multiplies this many vocabulary rows at a time
 
 
 def has_linear_op() -> bool:
@@ -49,14 +62,20 @@ def has_linear_op() -> bool:
 
 
 def available() -> bool:
-    """Whether to use oneDNN: an x86-64 CPU build of torch with oneDNN enabled and its linear op,
-    unless `RAYPO_ONEDNN=0`."""
+    """Whether oneDNN may be used: an x86-64 CPU build of torch with oneDNN enabled and its linear
+    op, unless `RAYPO_ONEDNN=0`."""
     return (
-        os.environ.get("RAYPO_ONEDNN", "1") != "0"
-        and platform.machine().lower() in ("x86_64", "amd64")
-        and torch.backends.mkldnn.enabled
-        and has_linear_op()
+        mode() != "0" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.enabled and has_linear_op()
     )
+
+
+def mode() -> str:
+    """`RAYPO_ONEDNN`: `0` (never), `1` (every layer of at least `MIN_WEIGHT` weights) or `auto`
+    (where `faster_in_onednn`, the default). Anything else raises."""
+    value = os.environ.get("RAYPO_ONEDNN", "auto").strip().lower() or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"RAYPO_ONEDNN={value!r}: use 0 (MKL everywhere), 1 (oneDNN for every large layer) or auto")
+    return value
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,10 +134,40 @@ class OneDnnLinear(nn.Linear):
         return _Linear.apply(x, w, self.bias)
 
 
-def switches(weights: int, min_weight: int | None = None) -> bool:
-    """Whether a linear layer of `weights` weights multiplies in oneDNN: oneDNN is on (`available`)
-    and the layer has at least `min_weight` (default `MIN_WEIGHT`, read at the call)."""
-    return available() and weights >= (MIN_WEIGHT if min_weight is None else min_weight)
+def switches(in_features: int, out_features: int, min_weight: int | None = None) -> bool:
+    """Whether an `in_features -> out_features` linear layer multiplies in oneDNN: oneDNN is on
+    (`available`), the layer has at least `min_weight` weights (default `MIN_WEIGHT`, read at the
+    call), and, unless `RAYPO_ONEDNN=1`, its products are faster there (`faster_in_onednn`)."""
+    if not available() or in_features * out_features < (MIN_WEIGHT if min_weight is None else min_weight):
+        return False
+    return mode() == "1" or faster_in_onednn(in_features, out_features, torch.get_num_threads())
+
+
+@functools.cache
+def faster_in_onednn(in_features: int, out_features: int, threads: int) -> bool:
+    """Whether a layer's forward, input-gradient and weight-gradient products over `TIMED_ROWS`
+    rows, each the fastest of a few timings, take at most `ONEDNN_MARGIN` of MKL's time in oneDNN,
+    on this machine with `threads` torch threads (the caller's: part of the key, so a process
+    that changes them measures again). Once per process and shape: ~0.1 s for SmolLM2's largest.
+    `out_features` past `TIMED_MAX_OUT` are timed at that (as the fused LM head multiplies)."""
+    generator = torch.Generator().manual_seed(0)
+    n = min(out_features, TIMED_MAX_OUT)
+    x, dy = (torch.randn(TIMED_ROWS, f, generator=generator) for f in (in_features, n))
+    w = torch.randn(n, in_features, generator=generator)
+    in_onednn = _seconds(lambda: (matmul_t(x, w), matmul_t(dy, w.t()), weight_grad(dy, x)))
+    in_mkl = _seconds(lambda: (x.mm(w.t()), dy.mm(w), dy.t().mm(x)))  # as nn.Linear multiplies on CPU
+    return in_onednn <= ONEDNN_MARGIN * in_mkl
+
+
+def _seconds(products, repeats: int = 5) -> float:
+    """The fastest of `repeats` timings of `products()`, after a first call (which builds oneDNN's kernels)."""
+    products()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        products()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def use_onednn(model: nn.Module, min_weight: int | None = None) -> int:
@@ -126,7 +175,7 @@ def use_onednn(model: nn.Module, min_weight: int | None = None) -> int:
     `OneDnnLinear` in place; the number switched."""
     switched = 0
     for module in model.modules():
-        if type(module) is nn.Linear and switches(module.weight.numel(), min_weight):
+        if type(module) is nn.Linear and switches(module.in_features, module.out_features, min_weight):
             module.__class__ = OneDnnLinear
             switched += 1
     return switched
