@@ -62,7 +62,7 @@ def _in_onednn(spec: LearnerSpec) -> Learner:
     them with MKL. It joins the module's gloo world."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(onednn, "MIN_WEIGHT", 0)
-        patch.setenv("RAYPO_ONEDNN", "1")  # on any processor: not only where oneDNN measures faster
+        patch.setenv("RAYPO_ONEDNN", "1")  # on any processor, Intel's too (where MKL is the default)
         return Learner(spec, master_port=29611)
 
 
@@ -71,9 +71,9 @@ def learner(tiny_model):
     return _in_onednn(LearnerSpec(str(tiny_model[0]), lr=1e-4))
 
 
-def _switched_as_measured(model: torch.nn.Module) -> bool:
+def _switched_as_told(model: torch.nn.Module) -> bool:
     """Each linear layer is in oneDNN exactly when `onednn.switches` says: it has `MIN_WEIGHT`
-    weights or more, oneDNN is on and, on this machine, faster at its shape."""
+    weights or more, oneDNN is on and the processor is not Intel's."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return bool(linears) and all(isinstance(m, OneDnnLinear) == onednn.switches(m.in_features, m.out_features) for m in linears)
 
@@ -113,7 +113,7 @@ def test_critic_fits_the_returns(tiny_model):
     batch = _batch()
     returns = (np.where(np.arange(8)[:, None] < 4, 1.0, -1.0) * batch["response_mask"]).astype(np.float32)
     critic = Critic(str(tiny_model[0]), lr=1e-3)
-    assert _switched_as_measured(critic.model)  # actors/core/onednn.py
+    assert _switched_as_told(critic.model)  # actors/core/onednn.py
     assert not critic.values(batch).any(), "the critic must start at V = 0"
     for _ in range(CRITIC_STEPS):
         metrics = critic.train_step(minibatches({**batch, "old_values": critic.values(batch), "returns": returns}, 8, seed=0))
@@ -168,7 +168,7 @@ def test_gspo_loss_through_the_learner_does_not_depend_on_response_length(frozen
     """Every token's log-ratio c and every advantage A: GSPO's loss is -exp(c) A (a mean over
     sequences) for 3- and 6-token responses alike, whatever `algo.aggregate` is. The learner used to
     divide GSPO's sum over sequences by the minibatch's token count (3x or 6x smaller)."""
-    assert _switched_as_measured(frozen.model)  # a learner as built by default: the tiny model's layers stay with MKL
+    assert _switched_as_told(frozen.model)  # a learner as built by default: the tiny model's layers stay with MKL
     c, adv = 0.1, 0.5
     for batch in (_batch(), _long_batch()):
         for aggregate in ("token-mean", "seq-mean-token-mean"):
@@ -242,7 +242,7 @@ def test_kl_to_the_reference_is_zero_at_step_0_under_top_k_and_top_p(tiny_model)
     batch = _batch()
     truncated = learner.logprobs(batch)
     scorer = ReferenceScorer(str(tiny_model[0]))
-    assert _switched_as_measured(scorer.model)  # actors/core/onednn.py, as the learner's
+    assert _switched_as_told(scorer.model)  # actors/core/onednn.py, as the learner's
     reference = scorer.logprobs(batch)
     assert (truncated - reference).max() > 1e-3  # the truncation matters for this batch
     step = {**batch, "behaviour_logprobs": truncated, "reference_logprobs": reference}

@@ -362,7 +362,7 @@ def test_the_fused_head_gives_the_packed_logits_log_probs_entropies_and_gradient
     packable = LlamaForCausalLM(config).eval()
     assert (packable.lm_head.weight is packable.model.embed_tokens.weight) is tied
     if product == "oneDNN":
-        monkeypatch.setenv("RAYPO_ONEDNN", "1")  # on any processor, not only where oneDNN measures faster
+        monkeypatch.setenv("RAYPO_ONEDNN", "1")  # on any processor, Intel's too (where MKL is the default)
         switched = use_onednn(packable, min_weight=0)
         if not switched:
             pytest.skip("this torch has no oneDNN linear op (or RAYPO_ONEDNN=0)")

@@ -6,11 +6,13 @@ path whatever the processor supports; oneDNN (torch's own `mkldnn` library, the 
 backend uses for its linears) picks its kernels by instruction set, not vendor. On the 2-core
 AMD EPYC (AVX-512) raypo is built on, oneDNN ran SmolLM2's and the tiny model's matmul shapes,
 forward and both backward products, at 1.8-2.4x MKL's FLOP/s (bench/phases.py prints both
-GEMMs). On a 2-core Intel Xeon (AVX10.1, AMX) MKL was the faster one at every shape of both
-models: a layer's three products took 1.1-1.4x as long in oneDNN, and a SmolLM2 update 1.11x.
-So which library a layer takes is measured, once per process and layer shape, on the machine
-that runs it (`faster_in_onednn`). The results are float32 products either way: the same
-inputs, summed in another order.
+GEMMs). On Intel's processors MKL runs its own best kernels, and on a 2-core Intel Xeon (AVX10.1,
+AMX) it was the faster one at every shape of both models: a layer's three products took
+1.1-1.4x as long in oneDNN, and a SmolLM2 update 1.15-1.19x (in-process, paired). So layers
+take oneDNN on other vendors' x86-64 processors only (`intel_cpu`). A choice timed at start-up
+instead flipped from run to run: a learner starts while the engines beside it load, and those
+timings swung by 2x. The results are float32 products either way: the same inputs, summed in
+another order.
 
 oneDNN builds (JIT-compiles) a kernel for each shape it meets and keeps the last 1,024 in a
 cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`). The rows change from batch to batch, so a step with
@@ -20,16 +22,14 @@ few sizes instead cost more: every input and gradient copied once more. A small 
 gain less from oneDNN than a new kernel costs (a 128 x 384 layer over 400 rows: forward and both
 gradients 0.38 ms in oneDNN, 0.63 ms in MKL, ~2 ms more for a new row count in oneDNN, none in
 MKL), so layers with fewer than `MIN_WEIGHT` weights stay with MKL: the tiny model's update was
-~10% faster over its first 50 steps, where most row counts are new, and the same after. For the
-same reason a layer takes oneDNN only where its products there take at most `ONEDNN_MARGIN` of
-MKL's time.
+~10% faster over its first 50 steps, where most row counts are new, and the same after.
 
 `use_onednn(model)` switches a model's float32 `nn.Linear` layers in place where `switches`
 says; a layer that meets another dtype or device at run time (a bf16 engine, CPU autocast, a
 GPU) goes through `torch.nn.functional.linear` as before. It does nothing off x86-64, where
 torch was built without oneDNN. `RAYPO_ONEDNN` in the environment sets the choice: `0` never
-(MKL everywhere), `1` every layer of at least `MIN_WEIGHT` weights without measuring, unset or
-`auto` as measured.
+(MKL everywhere), `1` every layer of at least `MIN_WEIGHT` weights on any processor, unset or
+`auto` on processors other than Intel's.
 
 The weight gradient's product takes the output gradient transposed, which oneDNN copies
 (`[out features, rows]`, as large as that layer's output gradient: for the LM head, the logits'
@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +51,6 @@ from torch.autograd.function import once_differentiable
 
 WEIGHT_GRAD_COPY_LIMIT = 1 << 26  # elements (256 MB of float32) of the transposed gradient oneDNN would copy
 MIN_WEIGHT = 1 << 16  # a layer's weights (256 x 256) below which its products stay with MKL (above)
-ONEDNN_MARGIN = 0.9  # oneDNN's share of MKL's time on a layer's products at most which the layer takes oneDNN
-TIMED_ROWS = 512  # rows of the products `faster_in_onednn` times (a SmolLM2 minibatch packs ~300-1,500)
-TIMED_MAX_OUT = 2048  # output features timed at most: the fused LM head multiplies this many vocabulary rows at a time
 
 
 def has_linear_op() -> bool:
@@ -71,7 +68,7 @@ def available() -> bool:
 
 def mode() -> str:
     """`RAYPO_ONEDNN`: `0` (never), `1` (every layer of at least `MIN_WEIGHT` weights) or `auto`
-    (where `faster_in_onednn`, the default). Anything else raises."""
+    (those layers unless the processor is Intel's: `intel_cpu`; the default). Anything else raises."""
     value = os.environ.get("RAYPO_ONEDNN", "auto").strip().lower() or "auto"
     if value not in ("0", "1", "auto"):
         raise ValueError(f"RAYPO_ONEDNN={value!r}: use 0 (MKL everywhere), 1 (oneDNN for every large layer) or auto")
@@ -137,37 +134,24 @@ class OneDnnLinear(nn.Linear):
 def switches(in_features: int, out_features: int, min_weight: int | None = None) -> bool:
     """Whether an `in_features -> out_features` linear layer multiplies in oneDNN: oneDNN is on
     (`available`), the layer has at least `min_weight` weights (default `MIN_WEIGHT`, read at the
-    call), and, unless `RAYPO_ONEDNN=1`, its products are faster there (`faster_in_onednn`)."""
+    call), and, unless `RAYPO_ONEDNN=1`, MKL would not run its own kernels here (`intel_cpu`)."""
     if not available() or in_features * out_features < (MIN_WEIGHT if min_weight is None else min_weight):
         return False
-    return mode() == "1" or faster_in_onednn(in_features, out_features, torch.get_num_threads())
+    return mode() == "1" or not intel_cpu()
 
 
 @functools.cache
-def faster_in_onednn(in_features: int, out_features: int, threads: int) -> bool:
-    """Whether a layer's forward, input-gradient and weight-gradient products over `TIMED_ROWS`
-    rows, each the fastest of a few timings, take at most `ONEDNN_MARGIN` of MKL's time in oneDNN,
-    on this machine with `threads` torch threads (the caller's: part of the key, so a process
-    that changes them measures again). Once per process and shape: ~0.1 s for SmolLM2's largest.
-    `out_features` past `TIMED_MAX_OUT` are timed at that (as the fused LM head multiplies)."""
-    generator = torch.Generator().manual_seed(0)
-    n = min(out_features, TIMED_MAX_OUT)
-    x, dy = (torch.randn(TIMED_ROWS, f, generator=generator) for f in (in_features, n))
-    w = torch.randn(n, in_features, generator=generator)
-    in_onednn = _seconds(lambda: (matmul_t(x, w), matmul_t(dy, w.t()), weight_grad(dy, x)))
-    in_mkl = _seconds(lambda: (x.mm(w.t()), dy.mm(w), dy.t().mm(x)))  # as nn.Linear multiplies on CPU
-    return in_onednn <= ONEDNN_MARGIN * in_mkl
-
-
-def _seconds(products, repeats: int = 5) -> float:
-    """The fastest of `repeats` timings of `products()`, after a first call (which builds oneDNN's kernels)."""
-    products()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        products()
-        best = min(best, time.perf_counter() - started)
-    return best
+def intel_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this is an Intel processor (`vendor_id` GenuineIntel in `cpuinfo`, or Intel named by
+    `platform.processor()` where there is no such file), where MKL picks its kernels by instruction
+    set; on any other it takes its AVX2 path."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return "intel" in platform.processor().lower()
 
 
 def use_onednn(model: nn.Module, min_weight: int | None = None) -> int:
