@@ -25,8 +25,8 @@ and logits nobody reads do not count) over the learn phase's seconds,
 beside the float32 GEMM FLOP/s this machine reaches on the model's own MLP shape with the
 learner's threads, measured in the same run, with each of torch's two float32 GEMMs: `torch.mm`
 (MKL's sgemm, what `nn.Linear` calls) and oneDNN (what raypo's learners call for the layers of at
-least `onednn.MIN_WEIGHT` weights whose products are faster there on this machine:
-actors/core/onednn.py). The ratio is taken against the faster
+least `onednn.MIN_WEIGHT` weights on processors other than Intel's, or on any with
+`RAYPO_ONEDNN=1`: actors/core/onednn.py). The ratio is taken against the faster
 of the two: how close the learner is to the machine's limit. Beside it, the FLOP/s of an update's own matmuls, each made alone at
 its shape as the learner makes it (every linear layer's forward, input gradient and weight
 gradient over a minibatch's packed tokens, the LM head's over its response tokens): what a

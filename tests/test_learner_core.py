@@ -73,13 +73,14 @@ def learner(tiny_model):
 
 def _switched_as_told(model: torch.nn.Module) -> bool:
     """Each linear layer is in oneDNN exactly when `onednn.switches` says: it has `MIN_WEIGHT`
-    weights or more, oneDNN is on and the processor is not Intel's."""
+    weights or more, oneDNN is on and the processor is not Intel's (or `RAYPO_ONEDNN=1`)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     return bool(linears) and all(isinstance(m, OneDnnLinear) == onednn.switches(m.in_features, m.out_features) for m in linears)
 
 
-def test_update_follows_the_advantages_and_skips_non_finite_losses(learner):
+def test_update_follows_the_advantages_and_skips_non_finite_losses(learner, monkeypatch):
     # a float32 CPU learner's linear layers multiply in oneDNN (actors/core/onednn.py), and these updates run through them
+    monkeypatch.setenv("RAYPO_ONEDNN", "1")  # as `_in_onednn` built it, whatever the environment says
     assert available() == all(isinstance(m, OneDnnLinear) for m in learner.model.modules() if isinstance(m, torch.nn.Linear))
     step, metrics, change = _update_towards_first_half(learner)
     assert metrics["update_success"] == 1.0 and np.isfinite(metrics["grad_norm"])

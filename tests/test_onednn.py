@@ -141,10 +141,16 @@ def test_by_default_large_layers_take_onednn_off_intel(monkeypatch, intel):
     which processor runs the test is not the test's to choose."""
     monkeypatch.delenv("RAYPO_ONEDNN")
     monkeypatch.setattr(onednn, "intel_cpu", lambda: intel)
-    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(64, 8))
-    assert use_onednn(model) == (0 if intel else 2) and type(model[2]) is nn.Linear
+
+    def model():
+        return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(64, 8))
+
+    by_default, forced = model(), model()
+    large = [OneDnnLinear] * 2 + [nn.Linear]
+    assert use_onednn(by_default) == (0 if intel else 2)
+    assert [type(m) for m in by_default] == ([nn.Linear] * 3 if intel else large)
     monkeypatch.setenv("RAYPO_ONEDNN", "1")
-    assert use_onednn(model) == (2 if intel else 0), "RAYPO_ONEDNN=1: oneDNN on any processor"
+    assert use_onednn(forced) == 2 and [type(m) for m in forced] == large, "RAYPO_ONEDNN=1: oneDNN on any processor"
 
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "HygonGenuine"])

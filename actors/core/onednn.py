@@ -134,17 +134,18 @@ class OneDnnLinear(nn.Linear):
 def switches(in_features: int, out_features: int, min_weight: int | None = None) -> bool:
     """Whether an `in_features -> out_features` linear layer multiplies in oneDNN: oneDNN is on
     (`available`), the layer has at least `min_weight` weights (default `MIN_WEIGHT`, read at the
-    call), and, unless `RAYPO_ONEDNN=1`, MKL would not run its own kernels here (`intel_cpu`)."""
+    call), and, unless `RAYPO_ONEDNN=1`, torch's BLAS is not MKL on an Intel processor (`intel_cpu`),
+    which runs its own kernels there."""
     if not available() or in_features * out_features < (MIN_WEIGHT if min_weight is None else min_weight):
         return False
-    return mode() == "1" or not intel_cpu()
+    return mode() == "1" or not (intel_cpu() and torch.backends.mkl.is_available())
 
 
 @functools.cache
 def intel_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this is an Intel processor (`vendor_id` GenuineIntel in `cpuinfo`, or Intel named by
-    `platform.processor()` where there is no such file), where MKL picks its kernels by instruction
-    set; on any other it takes its AVX2 path."""
+    `platform.processor()` where there is no such file: not on macOS, which names none), where MKL
+    picks its kernels by instruction set; on any other it takes its AVX2 path."""
     try:
         for line in Path(cpuinfo).read_text().splitlines():
             if line.startswith("vendor_id"):
