@@ -8,7 +8,7 @@ AMD EPYC (AVX-512) raypo is built on, oneDNN ran SmolLM2's and the tiny model's 
 forward and both backward products, at 1.8-2.4x MKL's FLOP/s (bench/phases.py prints both
 GEMMs). On Intel's processors MKL runs its own best kernels, and on a 2-core Intel Xeon (AVX10.1,
 AMX) it was the faster one at every shape of both models: a layer's three products took
-1.1-1.4x as long in oneDNN, and a SmolLM2 update 1.15-1.19x (in-process, paired). So layers
+1.1-1.4x as long in oneDNN, and a SmolLM2 update 1.10-1.14x (in-process, two runs each). So layers
 take oneDNN on other vendors' x86-64 processors only (`intel_cpu`). A choice timed at start-up
 instead flipped from run to run: a learner starts while the engines beside it load, and those
 timings swung by 2x. The results are float32 products either way: the same inputs, summed in
