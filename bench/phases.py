@@ -1,11 +1,12 @@
 """Per-phase time per step and tokens/s of the tiny GRPO and PPO configs, side by side, and how
 close the learner comes to this machine's matmul speed.
 
-    .venv/bin/python bench/phases.py [--steps 8] [--config examples/smollm2/grpo.yaml]
+    .venv/bin/python bench/phases.py [--steps 8] [--config examples/smollm2/grpo.yaml [--set K=V ...] [--vs K=V ...]]
 
 Runs both configs on one local Ray (real vLLM rollouts, DeepSpeed learner), and GRPO once
 more with the weights broadcast from learner rank 0 (gloo here, NCCL on GPUs) instead of
-passed through the object store (`--config` adds a run of that file); skips the first step
+passed through the object store (`--config` adds a run of that file, `--vs` another run of it
+with some keys changed, e.g. `--vs inference.dtype=bfloat16`); skips the first step
 (engine warm-up), and prints a table of the mean seconds per step of each phase, its share of
 the step, and the generation throughput. Compare ratios, not absolute times: the machine is
 shared and noisy.
@@ -210,12 +211,19 @@ def main() -> None:
         "--set", nargs="+", default=[], metavar="KEY=VALUE",
         help="overrides for the --config run (training.minibatch_size=32: one optimizer step per batch, as bench/compare_trl.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--vs", nargs="+", default=[], metavar="KEY=VALUE",
+        help="run the --config file again with these overrides on top, in a column beside it (inference.dtype=bfloat16)",
+    )  # fmt: skip
     args = parser.parse_args()
     runs = {name: RUNS[name] for name in args.runs}
     if args.config:
-        runs[Path(args.config).parent.name + "/" + Path(args.config).stem] = (Path(args.config), args.set)
-    elif args.set:
-        parser.error("--set applies to the --config run: name one")
+        column = Path(args.config).parent.name + "/" + Path(args.config).stem
+        runs[column] = (Path(args.config), args.set)
+        if args.vs:
+            runs[" ".join(o.rpartition(".")[2] for o in args.vs)] = (Path(args.config), [*args.set, *args.vs, "name=vs"])
+    elif args.set or args.vs:
+        parser.error("--set and --vs apply to the --config run: name one")
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine
     results, speed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

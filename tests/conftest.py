@@ -109,8 +109,8 @@ from actors.core.weight_sync import tensors_from_arrays
 from pipelines.algos.sampling import SamplingSpec
 from pipelines.models.vllm_reload import load_in_place
 from transformers import AutoModelForCausalLM
-model_dir, prompts = sys.argv[1], sys.argv[2:]
-generator = Generator(model_dir)
+model_dir, dtype, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+generator = Generator(model_dir, dtype=dtype)
 hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
 gen = torch.Generator().manual_seed(0)
 moved = {k: (v + 0.02 * v.std() * torch.randn(v.shape, generator=gen)).numpy() for k, v in hf.items()}
@@ -146,13 +146,13 @@ print("RAYPO_JSON " + json.dumps({"fast": fast, "partial": partial, "before": be
 """
 
 
-def reloaded_two_ways(model_dir, prompts: list[str]) -> dict:
-    """Seeded samples (ids, log-probs) from one engine in its own process: before, after the
+def reloaded_two_ways(model_dir, prompts: list[str], dtype: str = "float32") -> dict:
+    """Seeded samples (ids, log-probs) from one engine (weights in `dtype`) in its own process: before, after the
     Hugging Face weights moved by noise are loaded by `load_in_place` (`fast`: it applied), after
     a load missing one layer (`partial`: refused, nothing touched), and after vLLM's own
     `reload_weights` of the original weights and then the same moved ones; and how many graphs
     torch.compile made in that process (`compiled`)."""
-    command = [sys.executable, "-c", RELOADED_TWO_WAYS, str(model_dir), *prompts]
+    command = [sys.executable, "-c", RELOADED_TWO_WAYS, str(model_dir), dtype, *prompts]
     return _printed_json(command, dict(os.environ))
 
 

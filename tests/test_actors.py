@@ -98,6 +98,9 @@ def test_reference_logprobs_match_the_rollout_engine(local_ray, tiny_model, batc
 
 
 TRUNCATED = SamplingSpec(temperature=1.0, top_p=0.9, top_k=20)
+# bf16 keeps 8 significant bits (each weight off by up to 2^-9 of itself); on the tiny model's samples the
+# log-probs came out at most 0.009 apart (avx2 and avx512 kernels alike, median 1e-5)
+BF16_LOGPROB_ERROR = 0.05
 
 
 def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, tiny_model, rollout, problems):
@@ -122,6 +125,22 @@ def test_learner_ratio_is_one_on_fresh_samples_under_top_p_and_top_k(local_ray, 
     full_ratio = np.exp(full - batch["behaviour_logprobs"])[mask]
     assert full_ratio.min() < 0.99 and (full_ratio < 1 - 10 * 2e-4).mean() > 0.05, np.quantile(full_ratio, [0, 0.1, 0.5])
     assert full_ratio.max() <= 1 + 1e-4
+
+
+def test_a_bfloat16_engine_samples_from_the_float32_policy_rounded(local_ray, tiny_model, problems):
+    """`inference.dtype: bfloat16` beside a float32 learner: the engine holds the policy's weights
+    rounded to bf16, so the learner's log-probs of its samples are off the behaviour log-probs by
+    that rounding alone, which the loss's ratio (to the behaviour log-probs) carries. Off by more
+    than a float32 engine's 2e-4 (above: the engine is bf16), by less than BF16_LOGPROB_ERROR."""
+    prompts = [p.prompt for p in problems]
+    engine = RolloutActor.options(num_cpus=0.5).remote(str(tiny_model[0]), dtype="bfloat16")
+    batch = ray.get(engine.generate.remote(prompts, 4, SamplingSpec(), 8, prompt_seeds(0, 0, len(prompts))))
+    ray.kill(engine)
+    group = LearnerGroup.on_own_placement(LearnerSpec(str(tiny_model[0]), lr=1e-3), 1, 0.5)
+    learner = group.run("logprobs", batch)[0]
+    group.shutdown()
+    error = np.abs(learner - batch["behaviour_logprobs"])[batch["response_mask"] == 1]
+    assert 2e-4 < error.max() < BF16_LOGPROB_ERROR, np.quantile(error, [0.5, 0.9, 1])
 
 
 def _sample_streams(rollout, seeds: list[int]) -> np.ndarray:
@@ -338,8 +357,8 @@ def test_a_placement_the_cluster_cannot_give_is_named_and_freed(local_ray):
     assert made and all(v["state"] == "REMOVED" for v in made.values()), made
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_in_place_reload_samples_as_vllms_own_reload(model, request):
+@pytest.mark.parametrize("model, dtype", [("tiny", "float32"), ("smollm2", "float32"), ("tiny", "bfloat16")])
+def test_in_place_reload_samples_as_vllms_own_reload(model, dtype, request):
     """`load_in_place` (CPU, without vLLM's layerwise machinery) against vLLM's `reload_weights` of
     the same weights into the same engine: the same seeded samples and log-probs, different from
     those before. The tiny model has its own LM head; SmolLM2 ties it to the embeddings and
@@ -347,10 +366,11 @@ def test_in_place_reload_samples_as_vllms_own_reload(model, request):
     again after vLLM's reload, from the routes its first load worked out, it samples as before
     with the starting weights and as vLLM's reload with the moved ones. The engine samples with
     log-probs without compiling anything (pipelines/models/vllm_engine.py: `_rank_eagerly`;
-    vLLM's compiled rank count took ~3 s at the first request)."""
+    vLLM's compiled rank count took ~3 s at the first request). A bfloat16 engine (`inference.dtype`)
+    takes the learner's float32 weights rounded, as vLLM's reload rounds them."""
     model_dir = request.getfixturevalue("tiny_model" if model == "tiny" else "smollm2")[0]
     prompts = [p.prompt for p in Arithmetic().sample(6, "heldout", seed=3)]
-    got = reloaded_two_ways(model_dir, prompts)
+    got = reloaded_two_ways(model_dir, prompts, dtype)
     assert got["fast"] is True and got["partial"] is False and got["again"] is True and got["same_routes"] is True
     for reloaded in ("after_fast", "after_again"):  # the later in-place loads reuse the first's routes
         assert got[reloaded][0] == got["after_vllm"][0]

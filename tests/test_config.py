@@ -49,6 +49,15 @@ def test_dotted_overrides_are_typed_by_yaml():
     assert cfg.task.task.name == "reverse" and cfg.task.task.max_length == 4
 
 
+def test_the_engines_take_the_model_dtype_unless_inference_names_their_own():
+    assert load_config(CONFIGS / "grpo_tiny.yaml").engine_dtype == "float32"
+    assert load_config(CONFIGS / "grpo_tiny.yaml", ["model.dtype=bfloat16"]).engine_dtype == "bfloat16"
+    cfg = load_config(CONFIGS / "grpo_tiny.yaml", ["inference.dtype=bfloat16"])
+    assert (cfg.model.dtype, cfg.engine_dtype) == ("float32", "bfloat16")
+    assert load_config(CONFIGS / "grpo_tiny.yaml", ["model.dtype=bfloat16", "inference.dtype=float32"]).engine_dtype == "float32"
+    assert load_config(CONFIGS / "grpo_tiny.yaml", ["inference.dtype="]).engine_dtype == "float32"  # empty: the model's
+
+
 def test_config_is_frozen():
     cfg = RaypoConfig()
     with pytest.raises(Exception, match="frozen"):
@@ -69,6 +78,7 @@ def test_config_is_frozen():
         (["model.tiny.num_heads=3"], r"model\.tiny: hidden_size 128 is not divisible by num_heads 3"),
         (["algo"], r"not of the form key\.sub=value"),
         (["algo.group_size.low=1"], r"algo\.group_size is not a section"),
+        (["inference.dtype=bf16"], r"inference\.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
     ],
 )
 def test_bad_values_and_unknown_keys_name_the_key(overrides, message):

@@ -155,9 +155,21 @@ def test_a_run_on_uri_storage_writes_there_through_pyarrow_and_resumes_from_it(l
 
 
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
-    two_engines = ["resource.num_rollout_workers=2", "resource.weight_sync=broadcast"]  # weights by gloo broadcast
+    """Two engines in bfloat16 (`inference.dtype`) beside a float32 learner, given its weights by a
+    gloo broadcast each step."""
+    two_engines = ["resource.num_rollout_workers=2", "resource.weight_sync=broadcast", "inference.dtype=bfloat16"]
     cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", *two_engines)
-    train(cfg)
+    dtypes = []
+
+    def engines(metrics):
+        def dtype(engine):  # local: pickled by value into the actor
+            return str(engine.generator.llm.llm_engine.model_config.dtype)
+
+        actors = [ray.get_actor(f"raypo:p:{os.getpid()}:rollout-{i}") for i in range(2)]
+        dtypes.append(ray.get([actor.__ray_call__.remote(dtype) for actor in actors]))
+
+    train(cfg, on_metrics=engines)
+    assert dtypes == [["torch.bfloat16"] * 2] * 3
     lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)
     assert all(m["buffer_rows"] == 32 for m in lines)  # both actors' samples made one batch

@@ -80,7 +80,7 @@ def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path
     Writes one JSON line per problem to `out_file` when given; returns the summary."""
     task = load_task(cfg, model_dir)
     problems = task.sample(cfg.task.eval_problems, "heldout", cfg.seed)
-    llm = vllm_engine.make_llm(str(model_dir), dtype=cfg.model.dtype, seed=cfg.seed)
+    llm = vllm_engine.make_llm(str(model_dir), dtype=cfg.engine_dtype, seed=cfg.seed)
     scorer = reward_scorer(cfg)
     max_tokens = eval_max_tokens(cfg, problems)
 

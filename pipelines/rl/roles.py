@@ -262,7 +262,7 @@ def build_roles(cfg: RaypoConfig, model_dir: Path, out_dir: Path, placement: Pla
         RolloutActor.options(**options(f"rollout-{i}", retry_calls=False)).remote(
             str(model_dir),
             rollout_threads(cfg, node, threads),
-            dtype=cfg.model.dtype,
+            dtype=cfg.engine_dtype,
             seed=cfg.seed + i,
             gpu_memory_fraction=res.gpu_memory_fraction,
         )  # fmt: skip
