@@ -221,7 +221,8 @@ def main() -> None:
         column = Path(args.config).parent.name + "/" + Path(args.config).stem
         runs[column] = (Path(args.config), args.set)
         if args.vs:
-            runs[" ".join(o.rpartition(".")[2] for o in args.vs)] = (Path(args.config), [*args.set, *args.vs, "name=vs"])
+            label = " ".join(key.rpartition(".")[2] + "=" + value for key, _, value in (o.partition("=") for o in args.vs))
+            runs[label if label not in runs else f"vs {label}"] = (Path(args.config), [*args.set, *args.vs, "name=vs"])
     elif args.set or args.vs:
         parser.error("--set and --vs apply to the --config run: name one")
     ray.init(include_dashboard=False, log_to_driver=False)  # sized from this machine

@@ -115,7 +115,9 @@ class ModelConfig(Strict):
     path: str | None = Field(None, description="Hugging Face causal LM directory; empty = the embedded tiny model")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="the embedded model, used when path is empty")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype for learner and rollout (the rollout's own: inference.dtype)"
+        "float32",
+        description="weights dtype: the learner trains in bf16 mode at bfloat16, else in float32; the engines take it "
+        "unless inference.dtype names their own",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -417,7 +419,7 @@ class InferenceConfig(Strict):
         description="the vLLM engines' weights dtype (the rollout engines, the run's evaluations on them, raypo eval); "
         "empty = model.dtype. bfloat16 under a float32 learner: the engines sample from the policy's weights rounded to "
         "bf16, and the loss takes its ratio to the log-probs they sampled with; on CPUs with AMX (Intel Xeon, 4th "
-        "generation on) that samples SmolLM2 ~2.3x faster (README, 'Sampling in bfloat16')",
+        "generation on) that samples SmolLM2 about 2x faster (README, 'Sampling in bfloat16')",
     )
 
 

@@ -105,25 +105,27 @@ def test_training_evaluates_on_the_heldout_file_before_and_after(own_run):
     assert len(per_sample) == 20 and sum(r["passed"] for r in per_sample) / 20 == summary["eval_end"]["pass_rate"]
 
 
+def _raypo_eval(tmp, out, *overrides: str) -> dict:
+    final = tmp / "runs" / "own" / "final"
+    command = [*RAYPO, "eval", "--model", str(final), "-c", str(tmp / "config.yaml"), "--out", str(out)]
+    run = subprocess.run([*command, *overrides], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout[run.stdout.rindex("\n{") :])  # printed last, after vLLM's own lines
+
+
 def test_raypo_eval_reports_reward_pass_rate_and_pass_at_k_per_sample(own_run):
+    """Also: the engine evaluates in the run's engine dtype, `inference.dtype` where it is set."""
     tmp, rows, summary = own_run
     out = tmp / "eval.jsonl"
-    final = tmp / "runs" / "own" / "final"
-    run = subprocess.run(
-        [*RAYPO, "eval", "--model", str(final), "-c", str(tmp / "config.yaml"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout[run.stdout.rindex("\n{") :])  # printed last, after vLLM's own lines
+    report = _raypo_eval(tmp, out)
     assert report["problems"] == 20 and report["k"] == 2 and report["per_sample"] == str(out)
+    assert report["dtype"] == "float32"
     # the same greedy completions as the trainer's own end-of-run evaluation (same weights, same engine)
     assert report["pass_rate"] == summary["eval_end"]["pass_rate"]
     rows_out = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["answer"] for r in rows_out] == [r["target"] for r in rows["heldout"]]
     assert all(0 <= r["samples_passed"] <= 2 for r in rows_out)
+    assert _raypo_eval(tmp, tmp / "eval_bf16.jsonl", "--set", "inference.dtype=bfloat16")["dtype"] == "bfloat16"
 
 
 def test_a_malformed_row_stops_raypo_train_before_ray_starts(own_run):

@@ -156,20 +156,23 @@ def test_a_run_on_uri_storage_writes_there_through_pyarrow_and_resumes_from_it(l
 
 def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model, tmp_path):
     """Two engines in bfloat16 (`inference.dtype`) beside a float32 learner, given its weights by a
-    gloo broadcast each step."""
+    gloo broadcast each step (the engines' weights stay bf16 through each reload)."""
     two_engines = ["resource.num_rollout_workers=2", "resource.weight_sync=broadcast", "inference.dtype=bfloat16"]
     cfg = _cfg(tmp_path, "ppo_tiny.yaml", "name=p", "training.steps=3", *two_engines)
     dtypes = []
 
     def engines(metrics):
-        def dtype(engine):  # local: pickled by value into the actor
-            return str(engine.generator.llm.llm_engine.model_config.dtype)
+        def dtype(engine):  # local: pickled by value into the actor; the dtypes of the weights the engine holds
+            held = engine.generator.llm.collective_rpc(
+                lambda w: sorted({str(p.dtype) for p in w.model_runner.get_model().parameters()})
+            )
+            return held[0]
 
         actors = [ray.get_actor(f"raypo:p:{os.getpid()}:rollout-{i}") for i in range(2)]
         dtypes.append(ray.get([actor.__ray_call__.remote(dtype) for actor in actors]))
 
     train(cfg, on_metrics=engines)
-    assert dtypes == [["torch.bfloat16"] * 2] * 3
+    assert dtypes == [[["torch.bfloat16"]] * 2] * 3  # every parameter, after each step's broadcast and reload
     lines = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(m["value_mse"]) and np.isfinite(m["reward_mean"]) for m in lines)
     assert all(m["buffer_rows"] == 32 for m in lines)  # both actors' samples made one batch

@@ -95,4 +95,5 @@ def evaluate_model(cfg: RaypoConfig, model_dir: str | Path, out_file: str | Path
     )
     if out_file is not None:
         write_rows(out_file, rows)
-    return {"model": str(model_dir), "task": task.name, **summary}
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # the engine's weights (inference.dtype)
+    return {"model": str(model_dir), "task": task.name, "dtype": dtype, **summary}
