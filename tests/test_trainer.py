@@ -14,6 +14,7 @@ import ray
 from safetensors.numpy import load_file
 
 from pipelines.config import load_config
+from pipelines.rl.roles import actor_name
 from pipelines.rl.trainer import TrainingError, train
 
 pytestmark = pytest.mark.slow
@@ -168,7 +169,7 @@ def test_ppo_run_with_two_rollout_actors_trains_the_critic(local_ray, tiny_model
             )
             return held[0]
 
-        actors = [ray.get_actor(f"raypo:p:{os.getpid()}:rollout-{i}") for i in range(2)]
+        actors = [ray.get_actor(actor_name(cfg, f"rollout-{i}")) for i in range(2)]
         dtypes.append(ray.get([actor.__ray_call__.remote(dtype) for actor in actors]))
 
     train(cfg, on_metrics=engines)
