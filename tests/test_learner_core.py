@@ -304,28 +304,52 @@ def test_the_proximal_log_probs_are_the_weights_before_the_step(learner):
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.05, 1e6])
 def test_gradients_are_clipped_to_grad_clip_and_the_metric_is_their_norm_before(learner, grad_clip):
-    """Without ZeRO in float32 the learner clips (DeepSpeed's clipping is off there): against the
-    norm and the scaled gradients computed apart in float64, for no clipping (0), a clip that
-    bites, and one that does not."""
-    import dataclasses
+    """Without ZeRO in float32 the learner clips (DeepSpeed's clipping is off there), inside its
+    optimizer step: an update (`_update`, on a loss whose gradients are random) against the norm
+    computed apart in float64, and against the same optimizer, from the same weights and state, on
+    the gradients scaled apart as torch's `clip_grad_norm_` scales them; for no clipping (0), a
+    clip that bites, and one that does not. The optimizer's state is primed by an unclipped step
+    first: Adam's first step barely depends on the gradients' scale."""
+    import copy
 
     assert learner.clips_here and learner.engine.gradient_clipping() == 0.0
+    params = list(learner.model.parameters())
+    start = [p.detach().clone() for p in params], copy.deepcopy(learner.optimizer.state_dict())
     spec, learner.spec = learner.spec, dataclasses.replace(learner.spec, grad_clip=grad_clip)
+    gen = torch.Generator().manual_seed(0)
+
+    def update_on_random_gradients() -> tuple[dict[str, float], list[torch.Tensor]]:
+        grads = [torch.randn(p.shape, generator=gen) * 1e-3 for p in params]
+        learner.engine.zero_grad()
+        loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True))  # its gradients are `grads`
+        return learner._update(loss, {}), [g.double() for g in grads]
+
     try:
-        gen = torch.Generator().manual_seed(0)
-        params = list(learner.model.parameters())
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-        grads = [p.grad.double().clone() for p in params]
+        learner.spec = dataclasses.replace(learner.spec, grad_clip=1e6)
+        update_on_random_gradients()  # unclipped: the norm is ~0.03
+        learner.spec = dataclasses.replace(learner.spec, grad_clip=grad_clip)
+        weights, state = [p.detach().clone() for p in params], copy.deepcopy(learner.optimizer.state_dict())
+        out, grads = update_on_random_gradients()
         norm = sum((g**2).sum() for g in grads).sqrt().item()
         scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip else 1.0
-        assert learner._clip_gradients() == pytest.approx(norm, rel=1e-5)
-        for p, g in zip(params, grads, strict=True):
-            np.testing.assert_allclose(p.grad.double().numpy(), (g * scale).numpy(), rtol=1e-5, atol=1e-12)
+        assert out["update_success"] == 1.0 and out["grad_norm"] == pytest.approx(norm, rel=1e-6)
+        assert learner.optimizer.grad_scale is None  # the next step is not clipped
+        stepped = [p.detach().clone() for p in params]
+        for p, w, g in zip(params, weights, grads, strict=True):
+            p.data.copy_(w)
+            p.grad = (g * scale).float()
+        learner.optimizer.load_state_dict(state)
+        learner.optimizer.step()
+        for p, w, got in zip(params, weights, stepped, strict=True):
+            np.testing.assert_allclose(got.numpy(), p.detach().numpy(), rtol=1e-6, atol=1e-9)
+            assert not torch.equal(got, w)
         assert (scale < 0.5) == (grad_clip == 0.05)  # the middle case does clip
     finally:
         learner.spec = spec
         learner.engine.zero_grad()
+        for p, w in zip(params, start[0], strict=True):
+            p.data.copy_(w)
+        learner.optimizer.load_state_dict(start[1])
 
 
 def test_micro_batches_add_up_to_the_whole_minibatchs_update(tiny_model):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
+from actors.core.clipping import clip_in_step
 from actors.core.modeling import loss_mask, sequence_tensors
 from actors.core.onednn import use_onednn
 from pipelines.algos.losses import value_loss
@@ -71,8 +72,8 @@ class Critic:
             loss, metrics = value_loss(values, old, returns, mask, clip=self.clip)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
+            with clip_in_step(self.optimizer, [p.grad for p in self.model.parameters() if p.grad is not None], self.grad_clip):
+                self.optimizer.step()
             totals["value_loss"] += loss.item()
             totals["value_mse"] += metrics["value_mse"]
             totals["value_clip_fraction"] += metrics["value_clip_fraction"]

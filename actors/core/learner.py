@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from actors.core.clipping import clip_in_step
 from actors.core.minibatch import Shard
 from actors.core.modeling import (
     COMPLETIONS,
@@ -99,6 +100,7 @@ class Learner:
             optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr, weight_decay=spec.l2_coef, fused=True)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, fused=True)
+        self.optimizer = optimizer  # DeepSpeed steps it as it is in float32 without ZeRO: where raypo clips
         # float32 without ZeRO: raypo clips, with one norm over all gradients that is also the
         # metric (DeepSpeed would take its own norm, parameter by parameter, and not keep it).
         self.clips_here = spec.zero_stage == 0 and not spec.bf16
@@ -313,11 +315,11 @@ class Learner:
             return skipped
         lr = self._set_lr()
         self.engine.backward(total)
-        grad_norm = self._clip_gradients()
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            self.engine.zero_grad()  # a non-finite gradient: the same skip
-            return skipped
-        self.engine.step()
+        with self._clipping() as grad_norm:
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                self.engine.zero_grad()  # a non-finite gradient: the same skip
+                return skipped
+            self.engine.step()
         self.optimizer_steps += 1
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
@@ -329,16 +331,15 @@ class Learner:
         out["update_success"] = 1.0
         return out
 
-    def _clip_gradients(self) -> float | None:
-        """Without ZeRO, the gradients' global norm, after clipping them to `grad_clip` where raypo
-        clips (`clips_here`). They are already averaged over ranks here, so the norm read off them
-        is the global one, the same on every rank. None under ZeRO: DeepSpeed clips and keeps it."""
+    def _clipping(self) -> contextlib.AbstractContextManager[float | None]:
+        """Yields, without ZeRO, the gradients' global norm, and where raypo clips (`clips_here`)
+        the step inside the block clips them to `grad_clip` (`actors.core.clipping.clip_in_step`).
+        They are already averaged over ranks here, so the norm read off them is the global one, the
+        same on every rank. Under ZeRO, None: DeepSpeed clips and keeps the norm."""
         if self.spec.zero_stage:
-            return None
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.clips_here and self.spec.grad_clip > 0:
-            return torch.nn.utils.clip_grad_norm_(params, self.spec.grad_clip, foreach=True).item()
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).item()
+            return contextlib.nullcontext(None)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return clip_in_step(self.optimizer, grads, self.spec.grad_clip if self.clips_here else 0.0)
 
     def dpo_step(self, minibatches: Iterable[Shard], spec: DPOSpec) -> dict[str, float]:
         """DPO update on a step's preference pairs (`pipelines.data.preferences.encode_pairs` rows
