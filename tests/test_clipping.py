@@ -35,7 +35,7 @@ def test_a_step_clipped_inside_equals_clip_grad_norm_then_a_plain_step(kind, gra
         grads = [torch.randn(s, generator=gen) * (step + 1) for s in SHAPES]
         for a, b, g in zip(fused, plain, grads, strict=True):
             a.grad, b.grad = g.clone(), g.double()
-        with clip_in_step(fused_opt, [p.grad for p in fused], grad_clip) as norm:
+        with clip_in_step(fused_opt, fused, grad_clip) as norm:
             fused_opt.step()
         assert fused_opt.grad_scale is None
         expected = torch.nn.utils.get_total_norm([p.grad for p in plain]).item()
@@ -49,21 +49,41 @@ def test_a_step_clipped_inside_equals_clip_grad_norm_then_a_plain_step(kind, gra
     assert (min(norms) > grad_clip > 0) == (grad_clip == 0.5)  # the middle case bites at every step
 
 
-def test_the_norm_takes_every_dtype_and_a_non_finite_one_sets_no_scale():
+def test_the_norm_takes_each_float_dtype_and_a_non_finite_one_sets_no_scale():
     gen = torch.Generator().manual_seed(2)
     tensors = [torch.randn(s, generator=gen) for s in SHAPES] + [torch.randn(33, generator=gen).bfloat16()]
+    tensors += [
+        torch.randn(5, 7, generator=gen).t(),
+        torch.randn(9, generator=gen).half(),
+        torch.randn(11, generator=gen).double(),
+    ]
     expected = math.sqrt(sum((t.double() ** 2).sum().item() for t in tensors))
     assert global_norm(tensors) == pytest.approx(expected, rel=1e-6)
+    float64 = global_norm([torch.tensor([1e-3, 1e-3 + 1e-12], dtype=torch.float64)])
+    assert float64 == pytest.approx(math.hypot(1e-3, 1e-3 + 1e-12), rel=1e-13)  # not rounded to float32
     assert global_norm([]) == 0.0
     params = _params(3)
     opt = _optimizer("adamw", params, True)
-    grads = [torch.full(s, float("inf")) for s in SHAPES]
-    with clip_in_step(opt, grads, 1.0) as norm:
+    for p in params:
+        p.grad = torch.full(p.shape, float("inf"))
+    with clip_in_step(opt, params, 1.0) as norm:
         assert math.isinf(norm) and getattr(opt, "grad_scale", None) is None  # the caller skips such a step
 
 
 def test_an_optimizer_that_does_not_read_grad_scale_is_refused_by_name():
     params = _params(4)
-    with pytest.raises(ValueError, match="fused torch Adam or AdamW.*SGD"):
-        with clip_in_step(torch.optim.SGD(params, lr=0.1), [torch.ones(s) for s in SHAPES], 1.0):
+    with pytest.raises(ValueError, match="fused torch optimizer.*SGD"):
+        with clip_in_step(torch.optim.SGD(params, lr=0.1), params, 1.0):
             pass
+
+
+def test_a_step_that_raises_leaves_no_scale_behind():
+    params = _params(5)
+    opt = _optimizer("adamw", params, True)
+    for p in params:
+        p.grad = torch.ones(p.shape)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with clip_in_step(opt, params, 0.1):
+            assert opt.grad_scale is not None  # the clip bites
+            raise RuntimeError("the step failed")
+    assert opt.grad_scale is None

@@ -1,6 +1,7 @@
 """The Learner core in one process (DeepSpeed, gloo): updates follow the advantages, and a
 non-finite loss is skipped without touching the weights."""
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -310,8 +311,6 @@ def test_gradients_are_clipped_to_grad_clip_and_the_metric_is_their_norm_before(
     the gradients scaled apart as torch's `clip_grad_norm_` scales them; for no clipping (0), a
     clip that bites, and one that does not. The optimizer's state is primed by an unclipped step
     first: Adam's first step barely depends on the gradients' scale."""
-    import copy
-
     assert learner.clips_here and learner.engine.gradient_clipping() == 0.0
     params = list(learner.model.parameters())
     start = [p.detach().clone() for p in params], copy.deepcopy(learner.optimizer.state_dict())
@@ -326,7 +325,7 @@ def test_gradients_are_clipped_to_grad_clip_and_the_metric_is_their_norm_before(
 
     try:
         learner.spec = dataclasses.replace(learner.spec, grad_clip=1e6)
-        update_on_random_gradients()  # unclipped: the norm is ~0.03
+        update_on_random_gradients()  # unclipped: the norm is ~0.9
         learner.spec = dataclasses.replace(learner.spec, grad_clip=grad_clip)
         weights, state = [p.detach().clone() for p in params], copy.deepcopy(learner.optimizer.state_dict())
         out, grads = update_on_random_gradients()

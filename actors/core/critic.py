@@ -72,7 +72,7 @@ class Critic:
             loss, metrics = value_loss(values, old, returns, mask, clip=self.clip)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            with clip_in_step(self.optimizer, [p.grad for p in self.model.parameters() if p.grad is not None], self.grad_clip):
+            with clip_in_step(self.optimizer, self.model.parameters(), self.grad_clip):
                 self.optimizer.step()
             totals["value_loss"] += loss.item()
             totals["value_mse"] += metrics["value_mse"]

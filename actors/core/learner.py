@@ -338,8 +338,7 @@ class Learner:
         same on every rank. Under ZeRO, None: DeepSpeed clips and keeps the norm."""
         if self.spec.zero_stage:
             return contextlib.nullcontext(None)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return clip_in_step(self.optimizer, grads, self.spec.grad_clip if self.clips_here else 0.0)
+        return clip_in_step(self.optimizer, self.model.parameters(), self.spec.grad_clip if self.clips_here else 0.0)
 
     def dpo_step(self, minibatches: Iterable[Shard], spec: DPOSpec) -> dict[str, float]:
         """DPO update on a step's preference pairs (`pipelines.data.preferences.encode_pairs` rows
